@@ -128,8 +128,17 @@ def load_model_dir(path: str | Path, device: torch.device, dtype: torch.dtype, t
     if not (path / "config.json").is_file():
         raise ValueError(f"model must be None, a local model directory with a config.json, or a (model, tokenizer) "
                          f"pair; {str(path)!r} has no config.json (rksc never downloads from a hub)")
+    from transformers.utils import logging as hf_logging
+
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    # A sub-second load needs no progress bar; keep the user's setting for everything else.
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer
