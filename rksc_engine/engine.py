@@ -321,8 +321,7 @@ class RKSCEngine:
             input_ids = torch.tensor([prompt_ids[matched:]], device=self.device)
             out = self._forward(input_ids, cache, logits_to_keep=1)
             if self._cacheable:
-                kv_all = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
-                self.prefix_cache.insert(prompt_ids, kv_all)
+                self.prefix_cache.insert(prompt_ids, _stack_kv(cache))
         finally:
             if node is not None:
                 self.prefix_cache.unlock(node)
@@ -363,6 +362,8 @@ class RKSCEngine:
             self._stats.decode_tokens += len(active)
             yield branches, [token_list[0]] if active[0] == 0 else []
             if not keep_rows:
+                if n == 1:
+                    self._cache_generated(prompt_ids, branches[0].token_ids, cache)
                 return
             if len(keep_rows) < len(active):
                 index = torch.tensor(keep_rows, device=self.device)
@@ -371,6 +372,17 @@ class RKSCEngine:
                 active = [active[r] for r in keep_rows]
             out = self._forward(tokens[:, None], cache)
             logits = out.logits[:, -1, :]
+
+    def _cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Any) -> None:
+        """Keep a single completion's KV too, the way SGLang caches finished requests: an agent's
+        next prompt usually repeats this answer, so it is served from the cache instead of recomputed."""
+        # The last generated token was never fed back, so its KV does not exist.
+        sequence = prompt_ids + token_ids[:-1]
+        if not self._cacheable or len(sequence) <= len(prompt_ids):
+            return
+        kv_all = _stack_kv(cache)
+        if kv_all.shape[3] == len(sequence):
+            self.prefix_cache.insert(sequence, kv_all)
 
     def _advance(self, branch: _Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
         branch.token_ids.append(token)
@@ -400,6 +412,11 @@ class RKSCEngine:
             branch_index=branch.index,
             seed=info["seed"],
         )
+
+
+def _stack_kv(cache: Any) -> torch.Tensor:
+    """Row 0 of a DynamicCache as one tensor (L, 2, H_kv, T, D), the radix cache's layout."""
+    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
 
 
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
