@@ -302,21 +302,24 @@ class RKSCEngine:
         # input_ids: (B, T); the cache holds the B rows' earlier positions.
         return self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs)
 
-    @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[int]) -> _Prefilled:
+    def _cache_for_prefix(self, prompt_ids: list[int]) -> tuple[Any, int, Any]:
+        """A batch-1 DynamicCache holding the longest cached prefix of ``prompt_ids`` (always leaving
+        the last token to compute). Returns ``(cache, matched_tokens, locked_node_or_None)``; the
+        caller unlocks the node when done."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self._model.config)
-        matched, node = 0, None
         if self._cacheable:
-            # Keep at least the last prompt token to compute: its logits start decoding.
             match = self.prefix_cache.match_prefix(prompt_ids, max_tokens=len(prompt_ids) - 1)
             if match.num_tokens:
-                matched, node = match.num_tokens, match.last_node
-                self.prefix_cache.lock(node)
+                self.prefix_cache.lock(match.last_node)
                 kv = match.kv  # (L, 2, H_kv, T, D)
-                cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])],
-                                     config=self._model.config)
+                layers = [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
+                return DynamicCache(ddp_cache_data=layers, config=self._model.config), match.num_tokens, match.last_node
+        return DynamicCache(config=self._model.config), 0, None
+
+    @torch.inference_mode()
+    def _prefill(self, prompt_ids: list[int]) -> _Prefilled:
+        cache, matched, node = self._cache_for_prefix(prompt_ids)
         try:
             input_ids = torch.tensor([prompt_ids[matched:]], device=self.device)
             out = self._forward(input_ids, cache, logits_to_keep=1)
