@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from .answers import extract_gsm8k_answer, majority_vote
+from .cgee import CGEEConfig
 from .config import SamplingParams
 from .datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
@@ -23,27 +23,30 @@ def _ask(args: argparse.Namespace) -> int:
     messages = few_shot_messages(args.question, shots)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop=("<|im_end|>",))
+    cgee = CGEEConfig.off() if args.no_cgee else CGEEConfig()
     t0 = time.perf_counter()
-    branches = engine.generate_branches(messages, args.branches, params)
+    result = engine.reason(args.question, n=args.branches, params=params, prompt=messages, cgee=cgee)
     gen_s = time.perf_counter() - t0
-    answers = [extract_gsm8k_answer(b.text) for b in branches]
-    winner, votes = majority_vote(answers)
+    branches = result.branches
+    winner, votes = result.answer, result.votes
     stats = engine.stats()
     if args.json:
         print(json.dumps({
             "answer": winner, "votes": dict(votes),
-            "branches": [{"answer": a, "confidence": b.confidence, "finish_reason": b.finish_reason, "text": b.text}
-                         for a, b in zip(answers, branches)],
+            "branches": [{"answer": b.answer, "confidence": b.confidence, "text": b.text} for b in branches],
+            "verification": result.verification.summary(),
             "stats": stats.as_dict(), "load_s": load_s, "generate_s": gen_s,
         }, indent=2))
         return 0
     print(f"Question: {args.question}")
-    print(f"Model: {engine.model_name} | prompt: {branches[0].num_prompt_tokens} tokens | branches: {args.branches}")
-    for b, a in zip(branches, answers):
+    print(f"Model: {engine.model_name} | branches: {args.branches}")
+    for i, b in enumerate(branches):
         first_line = b.text.strip().splitlines()[0] if b.text.strip() else ""
-        print(f"  branch {b.branch_index}: answer={a!s:>8}  confidence={b.confidence:.3f}  "
-              f"tokens={b.num_generated_tokens:>3}  ({b.finish_reason})  {first_line[:70]}")
-    print(f"Majority answer: {winner}  votes={dict(votes)}")
+        print(f"  branch {i}: answer={b.answer!s:>8}  confidence={b.confidence:.3f}  {first_line[:70]}")
+    print(f"Majority vote: {result.vote_summary.winner}  (confidence-weighted share p={result.vote_summary.p:.2f}, "
+          f"lead={result.vote_summary.lead:.2f})")
+    print(result.verification.summary())
+    print(f"Answer: {winner}  votes={dict(votes)}")
     print(f"Prompt tokens computed: {stats.prompt_tokens_computed} (once for all {args.branches} branches; "
           f"reused from cache: {stats.prompt_tokens_reused}) | decode tokens: {stats.decode_tokens} | "
           f"cache: {stats.cache_bytes / 2**20:.1f} MiB | generate: {gen_s:.1f}s (load {load_s:.1f}s)")
@@ -65,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=0)
     ask.add_argument("--device", default="auto")
     ask.add_argument("--dtype", default="auto")
+    ask.add_argument("--no-cgee", action="store_true", help="always run the verifier at full depth")
     ask.add_argument("--json", action="store_true", help="print the result as JSON")
     ask.set_defaults(func=_ask)
     return parser

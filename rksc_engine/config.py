@@ -7,8 +7,8 @@ any model or cache state is touched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 def _check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:

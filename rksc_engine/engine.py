@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ from .sampling import choose_next_tokens, make_generators
 from .types import Completion, EngineStats, StreamChunk
 
 ChatMessage = dict[str, Any]
-Prompt = Union[str, Sequence[ChatMessage], Sequence[int]]
+Prompt = str | Sequence[ChatMessage] | Sequence[int]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -230,10 +230,8 @@ class RKSCEngine:
         prompt_ids = self.encode(prompt)
         params = self._check_request(prompt_ids, n, params)
         with self._lock:
-            branches: list[_Branch] = []
             info: dict = {}
-            for branches, _ in self._run(prompt_ids, n, params, info):
-                pass
+            *_, (branches, _) = self._run(prompt_ids, n, params, info)  # drain; the last step holds every branch
             return [self._to_completion(b, info) for b in branches]
 
     def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
@@ -301,6 +299,22 @@ class RKSCEngine:
     def _forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         # input_ids: (B, T); the cache holds the B rows' earlier positions.
         return self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs)
+
+    # -- multi-branch reasoning -------------------------------------------------------------------
+    def reason(self, question: str, **kwargs: Any) -> Any:
+        """Answer ``question`` by self-consistency over ``n`` branches, verified with CGEE.
+
+        Keyword args (see ``rksc_engine.reasoning.reason``): ``n`` (8), ``params``, ``few_shot``
+        (worked ``Problem``s) or ``prompt`` (your own messages), ``answer_extractor`` (``"gsm8k"``,
+        ``"choice"`` or a callable), ``verifier`` (default: this engine as a Yes/No judge; any
+        ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``).
+
+        Returns:
+            A ``ReasoningResult`` with the answer, votes, branches and ``VerificationReport``.
+        """
+        from .reasoning import reason
+
+        return reason(self, question, **kwargs)
 
     def _cache_for_prefix(self, prompt_ids: list[int]) -> tuple[Any, int, Any]:
         """A batch-1 DynamicCache holding the longest cached prefix of ``prompt_ids`` (always leaving

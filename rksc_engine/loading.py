@@ -60,9 +60,8 @@ def ensure_default_model(progress: bool = True) -> Path:
     gguf_path = default_gguf_path()
     if importlib.util.find_spec("gguf") is None:
         raise DefaultModelNotInstalled(f"Reading the default model needs the gguf package:\n    {INSTALL_HINT}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=3, desc=f"rksc: converting {DEFAULT_MODEL_NAME} (once)", disable=not progress)
     src_dir, name = str(gguf_path.parent), gguf_path.name

@@ -58,5 +58,5 @@ def test_rksc_ask_prints_branch_answers_majority_and_cache_stats():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("branch ") == 3
-    assert "Majority answer:" in out.stdout
+    assert "Majority vote:" in out.stdout and "Answer:" in out.stdout and "CGEE:" in out.stdout
     assert "Prompt tokens computed:" in out.stdout

@@ -4,8 +4,8 @@ alone or batched with siblings."""
 
 import pytest
 import torch
-
 from conftest import make_char_tokenizer, make_tiny_model
+
 from rksc_engine import EngineConfig, PrefixCacheConfig, RKSCEngine, SamplingParams
 
 PROMPTS = [

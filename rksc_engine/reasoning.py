@@ -1,0 +1,176 @@
+"""Self-consistency with a verifier: n branches over one shared prefix, answers voted, the vote
+verified (or the verification skipped by CGEE level 1), and one answer picked.
+
+Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
+multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
+When it is skipped, the vote winner is the answer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .answers import extract_gsm8k_answer
+from .cgee import CGEEConfig, VoteSummary, should_skip, summarise_votes
+from .config import SamplingParams
+from .datasets import Problem, few_shot_messages
+from .verifier import CallableVerifier, CandidateScore, LLMJudgeVerifier, Verifier
+
+AnswerExtractor = Callable[[str], "str | None"]
+_LETTER = re.compile(r"(?:answer(?: is)?\s*[:(]?\s*|\(|^|\s)([A-E])(?:\)|\.|\s|$)", re.IGNORECASE | re.MULTILINE)
+
+
+def extract_choice_letter(text: str) -> str | None:
+    """The last standalone multiple-choice letter A-E (``(B)``, ``answer: C``, ``D.``), upper-cased."""
+    hits = _LETTER.findall(text)
+    return hits[-1].upper() if hits else None
+
+
+def regex_extractor(pattern: str, group: int = 1) -> AnswerExtractor:
+    """An extractor returning ``group`` of the last match of ``pattern``, stripped."""
+    compiled = re.compile(pattern)
+
+    def extract(text: str) -> str | None:
+        matches = list(compiled.finditer(text))
+        return matches[-1].group(group).strip() if matches else None
+
+    return extract
+
+
+EXTRACTORS: dict[str, AnswerExtractor] = {"gsm8k": extract_gsm8k_answer, "choice": extract_choice_letter}
+
+
+@dataclass(frozen=True)
+class BranchAnswer:
+    text: str
+    answer: str | None
+    confidence: float
+
+
+@dataclass
+class VerificationReport:
+    """What verification did for one question.
+
+    Attributes:
+        skipped: CGEE level 1 skipped the verifier.
+        reason: Why it skipped or not.
+        p / lead: The winner's confidence-weighted share and its lead over the runner-up.
+        scores: Per-candidate verifier scores (empty when skipped).
+        exit_layers: Per candidate, the layer the pass stopped at (``num_layers - 1`` = full depth).
+        num_layers: Decoder layers of the judge model, when it has them.
+        verify_s: Wall time spent verifying.
+        check_s: Part of ``verify_s`` spent on the layer-exit checks themselves.
+    """
+
+    skipped: bool
+    reason: str
+    p: float
+    lead: float
+    scores: list[CandidateScore] = field(default_factory=list)
+    exit_layers: list[int | None] = field(default_factory=list)
+    num_layers: int | None = None
+    verify_s: float = 0.0
+    check_s: float = 0.0
+
+    @property
+    def layers_saved(self) -> int:
+        if self.num_layers is None:
+            return 0
+        return sum(self.num_layers - 1 - layer for layer in self.exit_layers if layer is not None)
+
+    def summary(self) -> str:
+        if self.skipped:
+            return f"CGEE: verification skipped ({self.reason})"
+        parts = [f"CGEE: verified {len(self.scores)} candidates ({self.reason}) in {self.verify_s:.2f}s"]
+        parts += [f"  {s.answer}: score={s.score:.3f} exit_layer={s.exit_layer}" for s in self.scores]
+        if self.num_layers:
+            parts.append(f"  layers saved: {self.layers_saved} of {self.num_layers * len(self.scores)} "
+                         f"(exit checks cost {self.check_s * 1000:.1f} ms)")
+        return "\n".join(parts)
+
+    __str__ = summary
+
+
+@dataclass
+class ReasoningResult:
+    """The chosen answer, the vote, every branch, and the verification report."""
+
+    answer: str | None
+    votes: Counter
+    branches: list[BranchAnswer]
+    verification: VerificationReport
+    vote_summary: VoteSummary
+    generate_s: float = 0.0
+
+
+def _resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtractor:
+    if isinstance(answer_extractor, str):
+        if answer_extractor not in EXTRACTORS:
+            raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {answer_extractor!r}")
+        return EXTRACTORS[answer_extractor]
+    if not callable(answer_extractor):
+        raise TypeError(f"answer_extractor must be a callable or a name, got {type(answer_extractor).__name__}")
+    return answer_extractor
+
+
+def _resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verifier:
+    if verifier is None:
+        return LLMJudgeVerifier(engine)
+    if isinstance(verifier, Verifier):
+        return verifier
+    if callable(verifier):
+        return CallableVerifier(verifier)
+    raise TypeError(f"verifier must be a Verifier, a callable or None, got {type(verifier).__name__}")
+
+
+def reason(
+    engine: Any,
+    question: str,
+    *,
+    n: int = 8,
+    params: SamplingParams | None = None,
+    few_shot: Sequence[Problem] = (),
+    prompt: Any = None,
+    answer_extractor: str | AnswerExtractor = "gsm8k",
+    verifier: Verifier | Callable | None = None,
+    cgee: CGEEConfig | None = None,
+) -> ReasoningResult:
+    """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    cgee = CGEEConfig() if cgee is None else cgee
+    if not isinstance(cgee, CGEEConfig):
+        raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
+    params = params or SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
+    extract = _resolve_extractor(answer_extractor)
+    judge = _resolve_verifier(engine, verifier)
+    messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
+
+    start = time.perf_counter()
+    completions = engine.generate_branches(messages, n, params)
+    generate_s = time.perf_counter() - start
+    branches = [BranchAnswer(c.text, extract(c.text), c.confidence) for c in completions]
+    votes = Counter(b.answer for b in branches if b.answer is not None)
+    summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
+    skip, why = should_skip(summary, cgee)
+    report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
+    if skip or summary.winner is None:
+        return ReasoningResult(summary.winner, votes, branches, report, summary, generate_s)
+
+    candidates = [answer for answer, _ in summary.shares]
+    start = time.perf_counter()
+    report.scores = judge.score(question, candidates, cgee)
+    report.verify_s = time.perf_counter() - start
+    report.exit_layers = [s.exit_layer for s in report.scores]
+    traces = getattr(judge, "last_traces", [])
+    report.check_s = sum(t.check_s for t in traces)
+    if isinstance(judge, LLMJudgeVerifier):
+        report.num_layers = len(judge.engine.model.model.layers)
+    share = dict(summary.shares)
+    best = max(report.scores, key=lambda s: (share[s.answer] * s.score, s.answer == summary.winner))
+    return ReasoningResult(best.answer, votes, branches, report, summary, generate_s)

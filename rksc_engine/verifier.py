@@ -1,0 +1,187 @@
+"""Verifiers score candidate answers for a question; the default is the engine judging itself.
+
+``LLMJudgeVerifier`` asks the model whether a proposed answer is correct and reads
+``P(Yes) / (P(Yes) + P(No))`` at the answer position. The question part of the verification
+prompt is identical across candidates, so it is computed once and served from the prefix cache;
+each candidate computes only its own tail. With CGEE level 2 the tail's pass may stop at an earlier
+layer (see ``cgee``); a stopped pass's KV is never written to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .cgee import CGEEConfig, label_entropy
+
+JUDGE_SYSTEM_PROMPT = "You check answers to math word problems. Reply with Yes or No only."
+JUDGE_TEMPLATE = "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct?"
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """A verifier's judgement of one candidate answer.
+
+    Attributes:
+        answer: The candidate.
+        score: In [0, 1]; higher means more likely correct.
+        exit_layer: 0-based decoder layer whose output produced the score (``num_layers - 1`` for a
+            full pass), or None for verifiers that have no layers.
+    """
+
+    answer: str
+    score: float
+    exit_layer: int | None = None
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Anything that scores candidate answers for a question."""
+
+    def score(self, question: str, candidates: Sequence[str], cgee: CGEEConfig) -> list[CandidateScore]: ...
+
+
+class CallableVerifier:
+    """Wrap ``fn(question, candidates) -> list[float]`` (e.g. a process reward model) as a Verifier."""
+
+    def __init__(self, fn: Callable[[str, Sequence[str]], Sequence[float]]) -> None:
+        if not callable(fn):
+            raise TypeError(f"verifier must be callable, got {type(fn).__name__}")
+        self.fn = fn
+
+    def score(self, question: str, candidates: Sequence[str], cgee: CGEEConfig) -> list[CandidateScore]:
+        scores = list(self.fn(question, list(candidates)))
+        if len(scores) != len(candidates):
+            raise ValueError(f"verifier returned {len(scores)} scores for {len(candidates)} candidates")
+        return [CandidateScore(a, float(s)) for a, s in zip(candidates, scores)]
+
+
+class _StopForward(Exception):
+    """Raised from a layer hook to end a forward pass early."""
+
+
+def decoder_parts(model: Any) -> tuple[Sequence[torch.nn.Module], torch.nn.Module, torch.nn.Module]:
+    """``(decoder layers, final norm, LM head)`` of a transformers causal LM (Llama-style layout)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise TypeError(f"layer exit needs a Llama-style model with .model.layers and .model.norm; "
+                        f"got {type(model).__name__}")
+    return layers, norm, model.get_output_embeddings()
+
+
+@dataclass
+class PassTrace:
+    """What one verifier pass did: how many layer forwards ran and where it stopped."""
+
+    layers_run: int = 0
+    exit_layer: int | None = None
+    check_s: float = 0.0
+
+
+class LLMJudgeVerifier:
+    """The engine's model as a Yes/No judge.
+
+    Args:
+        engine: The ``RKSCEngine`` whose model judges (the same engine that reasoned, or another).
+        system_prompt / template: The verification prompt; ``template`` takes ``{question}`` and
+            ``{answer}``, and the question must come first so candidates share it as a prefix.
+        labels: The positive and negative label strings; each is scored by its first token.
+    """
+
+    def __init__(self, engine: Any, system_prompt: str = JUDGE_SYSTEM_PROMPT, template: str = JUDGE_TEMPLATE,
+                 labels: tuple[str, str] = ("Yes", "No")) -> None:
+        if template.find("{question}") < 0 or template.find("{answer}") < template.find("{question}"):
+            raise ValueError("template must contain {question} before {answer}")
+        self.engine, self.system_prompt, self.template = engine, system_prompt, template
+        tok = engine.tokenizer
+        self.label_ids = [tok(label, add_special_tokens=False)["input_ids"][0] for label in labels]
+        if self.label_ids[0] == self.label_ids[1]:
+            raise ValueError(f"labels {labels} start with the same token; pick labels that differ in their first token")
+        self.last_traces: list[PassTrace] = []
+
+    def prompt_ids(self, question: str, answer: str) -> list[int]:
+        messages = [{"role": "system", "content": self.system_prompt},
+                    {"role": "user", "content": self.template.format(question=question, answer=answer)}]
+        return self.engine.encode(messages)
+
+    def score(self, question: str, candidates: Sequence[str], cgee: CGEEConfig) -> list[CandidateScore]:
+        engine = self.engine
+        all_ids = [self.prompt_ids(question, c) for c in candidates]
+        shared = _common_prefix(all_ids)
+        results, self.last_traces = [], []
+        with engine._lock:
+            if len(candidates) > 1 and len(shared) > 1 and not self._is_cached(shared):
+                engine._prefill(shared)  # a full pass: its KV goes into the prefix cache for every candidate
+            for answer, ids in zip(candidates, all_ids):
+                label_logits, trace = self._judge(ids, cgee)
+                prob = label_logits.float().softmax(-1)[0].item()
+                results.append(CandidateScore(answer, prob, trace.exit_layer))
+                self.last_traces.append(trace)
+        return results
+
+    def _is_cached(self, ids: list[int]) -> bool:
+        cache = self.engine.prefix_cache
+        return self.engine._cacheable and cache.match_prefix(ids).num_tokens >= len(ids) - 1
+
+    @torch.inference_mode()
+    def _judge(self, ids: list[int], cgee: CGEEConfig) -> tuple[torch.Tensor, PassTrace]:
+        """Label logits at the last position of ``ids``, from the layer where the pass stopped."""
+        engine = self.engine
+        layers, norm, head = decoder_parts(engine.model)
+        label_rows = head.weight[self.label_ids]  # (2, hidden): the only LM-head rows the judge needs
+        trace = PassTrace()
+        state: dict[str, Any] = {"prev": None, "logits": None}
+
+        def on_layer(layer_idx: int):
+            def hook(_module, _args, output):
+                trace.layers_run += 1
+                if not cgee.exit_enabled or layer_idx < cgee.min_layer or layer_idx == len(layers) - 1:
+                    return
+                start = time.perf_counter()
+                hidden = output[0] if isinstance(output, tuple) else output  # (1, T, hidden)
+                logits = norm(hidden[:, -1]) @ label_rows.T  # (1, 2)
+                entropy = label_entropy(logits[0])
+                stable = state["prev"] is not None and abs(entropy - state["prev"]) < cgee.epsilon
+                state["prev"] = entropy
+                trace.check_s += time.perf_counter() - start
+                if entropy < cgee.theta and stable:
+                    trace.exit_layer, state["logits"] = layer_idx, logits[0]
+                    raise _StopForward
+            return hook
+
+        handles = [layer.register_forward_hook(on_layer(i)) for i, layer in enumerate(layers)]
+        cache, matched, node = engine._cache_for_prefix(ids)
+        try:
+            input_ids = torch.tensor([ids[matched:]], device=engine.device)
+            try:
+                out = engine._forward(input_ids, cache, logits_to_keep=1)
+                trace.exit_layer = len(layers) - 1
+                return out.logits[0, -1, self.label_ids], trace
+            except _StopForward:
+                return state["logits"], trace
+        finally:
+            # The candidate's cache is a private copy and is dropped here, stopped or not: the radix
+            # cache only ever holds KV from complete passes.
+            for handle in handles:
+                handle.remove()
+            if node is not None:
+                engine.prefix_cache.unlock(node)
+            engine._stats.prompt_tokens_computed += len(ids) - matched
+            engine._stats.prompt_tokens_reused += matched
+
+
+def _common_prefix(sequences: list[list[int]]) -> list[int]:
+    if not sequences:
+        return []
+    first = sequences[0]
+    n = min(len(s) for s in sequences)
+    i = 0
+    while i < n and all(s[i] == first[i] for s in sequences):
+        i += 1
+    return first[:i]

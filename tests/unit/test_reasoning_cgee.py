@@ -1,0 +1,158 @@
+"""Verified self-consistency and both CGEE levels on a tiny seeded model."""
+
+import pytest
+import torch
+from conftest import make_char_tokenizer, make_tiny_model
+
+from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine.cgee import CGEEConfig, should_skip, summarise_votes, wilson_interval
+from rksc_engine.reasoning import extract_choice_letter, regex_extractor
+from rksc_engine.verifier import LLMJudgeVerifier
+
+PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=0)
+
+
+def make_engine(num_layers=4):
+    return RKSCEngine(make_tiny_model(0, num_layers=num_layers), make_char_tokenizer())
+
+
+def full_depth_scores(engine, judge, question, candidates):
+    """Plain scoring: one complete forward per candidate, no cache, no hooks."""
+    out = []
+    for c in candidates:
+        ids = torch.tensor([judge.prompt_ids(question, c)])
+        logits = engine.model(input_ids=ids).logits[0, -1, judge.label_ids]
+        out.append(logits.softmax(-1)[0].item())
+    return out
+
+
+def digit_extractor(text):
+    digits = [ch for ch in text if ch.isdigit()]
+    return digits[0] if digits else text[:1] or None
+
+
+def test_with_cgee_off_verification_equals_full_depth_scoring_of_each_candidate():
+    engine = make_engine()
+    result = engine.reason("What is 1+1?", n=6, params=PARAMS, prompt="Q: 1+1\nA:",
+                           answer_extractor=lambda t: t[:1] or None, cgee=CGEEConfig.off())
+    report = result.verification
+    assert not report.skipped
+    candidates = [s.answer for s in report.scores]
+    assert len(candidates) == len(result.votes)
+    want = full_depth_scores(engine, LLMJudgeVerifier(engine), "What is 1+1?", candidates)
+    assert [s.score for s in report.scores] == pytest.approx(want, abs=1e-5)
+    assert all(layer == 3 for layer in report.exit_layers)
+
+
+def test_a_confident_unanimous_vote_skips_verification_and_says_why():
+    engine = make_engine()
+    calls = []
+    result = engine.reason("q?", n=4, params=PARAMS, prompt="Q:", answer_extractor=lambda t: "42",
+                           verifier=lambda q, c: calls.append(c) or [1.0] * len(c), cgee=CGEEConfig())
+    assert result.verification.skipped and not calls
+    assert result.answer == "42"
+    assert result.verification.p == 1.0 and result.verification.lead == 1.0
+    assert "tau_conf" in result.verification.reason
+
+
+def test_a_split_vote_is_verified_and_the_verifier_can_overturn_the_majority():
+    engine = make_engine()
+    answers = iter(["a", "a", "a", "b"])
+    result = engine.reason("q?", n=4, params=PARAMS, prompt="Q:", answer_extractor=lambda t: next(answers),
+                           verifier=lambda q, c: [0.01 if x == "a" else 0.99 for x in c],
+                           cgee=CGEEConfig(tau_conf=0.9))
+    assert not result.verification.skipped
+    assert result.answer == "b"
+
+
+def test_vote_shares_are_confidence_weighted():
+    summary = summarise_votes(["x", "x", "y", None], [0.9, 0.3, 0.6, 1.0])
+    assert summary.winner == "x"
+    assert summary.p == pytest.approx(1.2 / 1.8)
+    assert summary.lead == pytest.approx((1.2 - 0.6) / 1.8)
+    assert should_skip(summary, CGEEConfig(tau_conf=0.6, margin=0.3))[0]
+    assert not should_skip(summary, CGEEConfig(tau_conf=0.7, margin=0.3))[0]
+
+
+class CountingHooks:
+    def __init__(self, layers):
+        self.calls = [0] * len(layers)
+        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
+
+    def _hook(self, i):
+        def hook(*_):
+            self.calls[i] += 1
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def test_a_low_entropy_pass_exits_at_the_expected_layer_and_later_layers_do_not_run():
+    engine = make_engine(num_layers=6)
+    judge = LLMJudgeVerifier(engine)
+    # Make the label rows of the head huge and far apart so label entropy is ~0 from the first
+    # checked layer on; with min_layer=2 the exit needs a stable previous value, so it stops at 3.
+    with torch.no_grad():
+        head = engine.model.lm_head.weight
+        head[judge.label_ids[0]] = head[judge.label_ids[0]].sign() * 50
+        head[judge.label_ids[1]] = -head[judge.label_ids[0]]
+    layers = engine.model.model.layers
+    counter = CountingHooks(layers)
+    try:
+        scores = judge.score("q?", ["1"], CGEEConfig(exit_enabled=True, theta=0.5, epsilon=0.1, min_layer=2))
+    finally:
+        counter.remove()
+    assert scores[0].exit_layer == 3
+    assert counter.calls[4] == 0 and counter.calls[5] == 0, f"layers after the exit ran: {counter.calls}"
+    assert counter.calls[3] >= 1
+
+
+def test_hooks_are_removed_and_the_cache_is_consistent_after_an_exception_in_a_pass():
+    engine = make_engine()
+    judge = LLMJudgeVerifier(engine)
+    layer = engine.model.model.layers[1]
+    boom = layer.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    before_bytes = engine.prefix_cache.total_bytes
+    with pytest.raises(RuntimeError, match="boom"):
+        judge.score("q?", ["1", "2"], CGEEConfig(exit_enabled=True))
+    boom.remove()
+    assert all(not layer._forward_hooks for layer in engine.model.model.layers), "a CGEE hook was left behind"
+    assert engine.prefix_cache.evictable_bytes == engine.prefix_cache.total_bytes, "a node stayed locked"
+    assert engine.prefix_cache.total_bytes == before_bytes
+    # Still usable and exact afterwards.
+    again = judge.score("q?", ["1", "2"], CGEEConfig.off())
+    assert [s.score for s in again] == pytest.approx(full_depth_scores(engine, judge, "q?", ["1", "2"]), abs=1e-5)
+
+
+def test_extractors_and_bad_arguments():
+    assert extract_choice_letter("I think the answer is (C).") == "C"
+    assert extract_choice_letter("no letter here") is None
+    assert regex_extractor(r"ans=(\d+)")("ans=3 then ans=5") == "5"
+    engine = make_engine()
+    with pytest.raises(ValueError, match="answer_extractor"):
+        engine.reason("q?", n=2, params=PARAMS, prompt="Q:", answer_extractor="roman")
+    with pytest.raises(ValueError, match="question"):
+        engine.reason("", n=2, params=PARAMS)
+    with pytest.raises(ValueError, match="cgee.tau_conf"):
+        CGEEConfig(tau_conf=1.5)
+    with pytest.raises(ValueError, match="cgee.theta"):
+        CGEEConfig(theta=0)
+
+
+def test_a_failing_verifier_surfaces_and_the_engine_stays_usable():
+    engine = make_engine()
+
+    def broken(q, c):
+        raise ConnectionError("reward model down")
+
+    with pytest.raises(ConnectionError):
+        engine.reason("q?", n=3, params=PARAMS, prompt="Q:", answer_extractor=lambda t: t[:1] or None,
+                      verifier=broken, cgee=CGEEConfig.off())
+    assert engine.generate("Q:", SamplingParams(max_new_tokens=4)).token_ids
+
+
+def test_wilson_interval_matches_the_papers_figure():
+    low, high = wilson_interval(6, 1616)
+    assert round(low * 100, 2) == 0.17 and round(high * 100, 2) == 0.81
