@@ -138,3 +138,56 @@ def wilson_interval(errors: int, trials: int, z: float = 1.96) -> tuple[float, f
     centre = (phat + z * z / (2 * trials)) / denom
     half = z * math.sqrt(phat * (1 - phat) / trials + z * z / (4 * trials * trials)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The thresholds ``calibrate`` picked and what they did on the held-out questions."""
+
+    config: CGEEConfig
+    skip_rate: float
+    error_rate: float
+    error_upper: float
+    num_questions: int
+
+
+def calibrate(
+    records: Sequence[tuple[VoteSummary, str | None]],
+    target_error: float = 0.01,
+    *,
+    base: CGEEConfig | None = None,
+    tau_grid: Sequence[float] = tuple(i / 20 for i in range(8, 21)),
+    margin_grid: Sequence[float] = tuple(i / 10 for i in range(0, 11)),
+    bound: str = "wilson",
+) -> Calibration:
+    """Pick ``tau_conf`` and ``margin`` on held-out questions to meet a target decision error.
+
+    Each record is a question's vote summary and the answer that full verification chose for it.
+    A skip decides the vote winner, so it errs when that differs from the full decision. Among the
+    grid points whose error (the Wilson 95% upper bound by default, as CALM bounds its exit risk;
+    ``bound="empirical"`` uses the observed rate) is at most ``target_error``, the one that skips most
+    wins (ties: the stricter thresholds). If none qualifies, skipping is turned off.
+    """
+    if not 0 < target_error < 1:
+        raise ValueError(f"target_error must be in (0, 1), got {target_error}")
+    if bound not in ("wilson", "empirical"):
+        raise ValueError(f"bound must be 'wilson' or 'empirical', got {bound!r}")
+    if not records:
+        raise ValueError("calibrate needs at least one record")
+    base = base or CGEEConfig()
+    n = len(records)
+    best: Calibration | None = None
+    for tau in tau_grid:
+        for margin in margin_grid:
+            config = CGEEConfig(**{**base.__dict__, "skip_enabled": True, "tau_conf": tau, "margin": margin})
+            skipped = [(s, full) for s, full in records if should_skip(s, config)[0]]
+            errors = sum(s.winner != full for s, full in skipped)
+            upper = wilson_interval(errors, n)[1] if bound == "wilson" else errors / n
+            if upper > target_error:
+                continue
+            candidate = Calibration(config, len(skipped) / n, errors / n, upper, n)
+            if best is None or (candidate.skip_rate, tau, margin) > (best.skip_rate, best.config.tau_conf, best.config.margin):
+                best = candidate
+    if best is None:
+        return Calibration(CGEEConfig(**{**base.__dict__, "skip_enabled": False}), 0.0, 0.0, 0.0, n)
+    return best

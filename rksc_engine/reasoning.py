@@ -155,22 +155,28 @@ def reason(
     completions = engine.generate_branches(messages, n, params)
     generate_s = time.perf_counter() - start
     branches = [BranchAnswer(c.text, extract(c.text), c.confidence) for c in completions]
+    answer, report, summary = verify_and_pick(question, branches, judge, cgee)
     votes = Counter(b.answer for b in branches if b.answer is not None)
+    return ReasoningResult(answer, votes, branches, report, summary, generate_s)
+
+
+def verify_and_pick(
+    question: str, branches: Sequence[BranchAnswer], judge: Verifier, cgee: CGEEConfig
+) -> tuple[str | None, VerificationReport, VoteSummary]:
+    """The CGEE decision for already generated branches: skip or verify, then pick the answer."""
     summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
     skip, why = should_skip(summary, cgee)
     report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
     if skip or summary.winner is None:
-        return ReasoningResult(summary.winner, votes, branches, report, summary, generate_s)
-
+        return summary.winner, report, summary
     candidates = [answer for answer, _ in summary.shares]
     start = time.perf_counter()
     report.scores = judge.score(question, candidates, cgee)
     report.verify_s = time.perf_counter() - start
     report.exit_layers = [s.exit_layer for s in report.scores]
-    traces = getattr(judge, "last_traces", [])
-    report.check_s = sum(t.check_s for t in traces)
+    report.check_s = sum(t.check_s for t in getattr(judge, "last_traces", []))
     if isinstance(judge, LLMJudgeVerifier):
         report.num_layers = len(judge.engine.model.model.layers)
     share = dict(summary.shares)
     best = max(report.scores, key=lambda s: (share[s.answer] * s.score, s.answer == summary.winner))
-    return ReasoningResult(best.answer, votes, branches, report, summary, generate_s)
+    return best.answer, report, summary

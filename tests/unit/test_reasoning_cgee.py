@@ -156,3 +156,18 @@ def test_a_failing_verifier_surfaces_and_the_engine_stays_usable():
 def test_wilson_interval_matches_the_papers_figure():
     low, high = wilson_interval(6, 1616)
     assert round(low * 100, 2) == 0.17 and round(high * 100, 2) == 0.81
+
+
+def test_calibrate_picks_the_loosest_thresholds_that_meet_the_target():
+    from rksc_engine.cgee import VoteSummary, calibrate
+
+    confident = [(VoteSummary((("7", 1.0),)), "7")] * 40           # unanimous and right
+    shaky = [(VoteSummary((("3", 0.6), ("4", 0.4))), "4")] * 10     # a weak winner that full verification overturns
+    result = calibrate(confident + shaky, target_error=0.05, bound="empirical")
+    assert result.skip_rate == pytest.approx(40 / 50)
+    assert result.error_rate == 0.0
+    assert result.config.tau_conf > 0.6 or result.config.margin > 0.2, "the shaky winners must not be skipped"
+    loose = calibrate(confident + shaky, target_error=0.25, bound="empirical")
+    assert loose.skip_rate == 1.0 and loose.error_rate == pytest.approx(0.2)
+    nothing = calibrate(shaky, target_error=0.01)
+    assert not nothing.config.skip_enabled
