@@ -114,29 +114,42 @@ class LLMJudgeVerifier:
         engine = self.engine
         all_ids = [self.prompt_ids(question, c) for c in candidates]
         shared = _common_prefix(all_ids)
-        results, self.last_traces = [], []
         with engine._lock:
             if len(candidates) > 1 and len(shared) > 1 and not self._is_cached(shared):
                 engine._prefill(shared)  # a full pass: its KV goes into the prefix cache for every candidate
-            for answer, ids in zip(candidates, all_ids):
-                label_logits, trace = self._judge(ids, cgee)
-                prob = label_logits.float().softmax(-1)[0].item()
-                results.append(CandidateScore(answer, prob, trace.exit_layer))
-                self.last_traces.append(trace)
-        return results
+            label_logits, trace = self._judge_batch(all_ids, shared, cgee)
+        self.last_traces = [trace]
+        probs = label_logits.float().softmax(-1)[:, 0].tolist()
+        return [CandidateScore(a, p, trace.exit_layer) for a, p in zip(candidates, probs)]
 
     def _is_cached(self, ids: list[int]) -> bool:
         cache = self.engine.prefix_cache
         return self.engine._cacheable and cache.match_prefix(ids).num_tokens >= len(ids) - 1
 
     @torch.inference_mode()
-    def _judge(self, ids: list[int], cgee: CGEEConfig) -> tuple[torch.Tensor, PassTrace]:
-        """Label logits at the last position of ``ids``, from the layer where the pass stopped."""
+    def _judge_batch(self, all_ids: list[list[int]], shared: list[int], cgee: CGEEConfig) -> tuple[torch.Tensor, PassTrace]:
+        """Label logits ``(B, 2)`` at each candidate's last position, all candidates in one batch.
+
+        The shared prefix's KV comes from the prefix cache (fanned out to the B rows); each row then
+        computes only its own tail. Rows are right-padded: attention is causal, so padding after a
+        row's last real token cannot change that token's hidden state, and scores stay exact. With
+        layer exit on, the batch stops at the first layer where every row's label entropy is below
+        ``theta`` and stable.
+        """
         engine = self.engine
         layers, norm, head = decoder_parts(engine.model)
         label_rows = head.weight[self.label_ids]  # (2, hidden): the only LM-head rows the judge needs
         trace = PassTrace()
         state: dict[str, Any] = {"prev": None, "logits": None}
+        # Every row must keep at least one token of its own to compute.
+        limit = min(len(shared), min(len(ids) for ids in all_ids) - 1)
+        cache, matched, node = engine._cache_for_prefix(shared[: limit + 1])
+        tails = [ids[matched:] for ids in all_ids]
+        width = max(len(t) for t in tails)
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([t + [pad] * (width - len(t)) for t in tails], device=engine.device)  # (B, T)
+        rows = torch.arange(len(tails), device=engine.device)
+        last = torch.tensor([len(t) - 1 for t in tails], device=engine.device)  # (B,)
 
         def on_layer(layer_idx: int):
             def hook(_module, _args, output):
@@ -144,36 +157,36 @@ class LLMJudgeVerifier:
                 if not cgee.exit_enabled or layer_idx < cgee.min_layer or layer_idx == len(layers) - 1:
                     return
                 start = time.perf_counter()
-                hidden = output[0] if isinstance(output, tuple) else output  # (1, T, hidden)
-                logits = norm(hidden[:, -1]) @ label_rows.T  # (1, 2)
-                entropy = label_entropy(logits[0])
-                stable = state["prev"] is not None and abs(entropy - state["prev"]) < cgee.epsilon
+                hidden = output[0] if isinstance(output, tuple) else output  # (B, T, hidden)
+                logits = norm(hidden[rows, last]) @ label_rows.T  # (B, 2)
+                entropy = torch.stack([torch.tensor(label_entropy(row)) for row in logits])
+                stable = state["prev"] is not None and bool(((entropy - state["prev"]).abs() < cgee.epsilon).all())
                 state["prev"] = entropy
                 trace.check_s += time.perf_counter() - start
-                if entropy < cgee.theta and stable:
-                    trace.exit_layer, state["logits"] = layer_idx, logits[0]
+                if stable and bool((entropy < cgee.theta).all()):
+                    trace.exit_layer, state["logits"] = layer_idx, logits
                     raise _StopForward
             return hook
 
         handles = [layer.register_forward_hook(on_layer(i)) for i, layer in enumerate(layers)]
-        cache, matched, node = engine._cache_for_prefix(ids)
         try:
-            input_ids = torch.tensor([ids[matched:]], device=engine.device)
+            if len(tails) > 1:
+                cache.batch_repeat_interleave(len(tails))
             try:
-                out = engine._forward(input_ids, cache, logits_to_keep=1)
+                out = engine._forward(input_ids, cache, logits_to_keep=0)  # (B, T, V)
                 trace.exit_layer = len(layers) - 1
-                return out.logits[0, -1, self.label_ids], trace
+                return out.logits[rows, last][:, self.label_ids], trace
             except _StopForward:
                 return state["logits"], trace
         finally:
-            # The candidate's cache is a private copy and is dropped here, stopped or not: the radix
-            # cache only ever holds KV from complete passes.
+            # The candidates' cache is a private copy dropped here, stopped or not: the radix cache
+            # only ever holds KV from complete passes.
             for handle in handles:
                 handle.remove()
             if node is not None:
                 engine.prefix_cache.unlock(node)
-            engine._stats.prompt_tokens_computed += len(ids) - matched
-            engine._stats.prompt_tokens_reused += matched
+            engine._stats.prompt_tokens_computed += sum(len(t) for t in tails)
+            engine._stats.prompt_tokens_reused += matched * len(tails)
 
 
 def _common_prefix(sequences: list[list[int]]) -> list[int]:
