@@ -171,3 +171,13 @@ def test_calibrate_picks_the_loosest_thresholds_that_meet_the_target():
     assert loose.skip_rate == 1.0 and loose.error_rate == pytest.approx(0.2)
     nothing = calibrate(shaky, target_error=0.01)
     assert not nothing.config.skip_enabled
+
+
+def test_batched_judging_of_candidates_of_different_lengths_equals_scoring_each_alone():
+    engine = make_engine()
+    judge = LLMJudgeVerifier(engine)
+    candidates = ["1", "12345", "a much longer candidate answer"]
+    got = judge.score("How many?", candidates, CGEEConfig.off())
+    want = full_depth_scores(engine, judge, "How many?", candidates)
+    assert [s.score for s in got] == pytest.approx(want, abs=1e-5), "right padding changed a score"
+    assert engine.stats().prompt_tokens_reused > 0, "the shared question prefix should come from the cache"
