@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .cgee import CGEEConfig, label_entropy
+from .cgee import CGEEConfig
 
 JUDGE_SYSTEM_PROMPT = "You check answers to math word problems. Reply with Yes or No only."
 JUDGE_TEMPLATE = "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct?"
@@ -159,7 +159,8 @@ class LLMJudgeVerifier:
                 start = time.perf_counter()
                 hidden = output[0] if isinstance(output, tuple) else output  # (B, T, hidden)
                 logits = norm(hidden[rows, last]) @ label_rows.T  # (B, 2)
-                entropy = torch.stack([torch.tensor(label_entropy(row)) for row in logits])
+                logp = logits.float().log_softmax(-1)
+                entropy = -(logp.exp() * logp).sum(-1)  # (B,) label entropy in nats, one op for the batch
                 stable = state["prev"] is not None and bool(((entropy - state["prev"]).abs() < cgee.epsilon).all())
                 state["prev"] = entropy
                 trace.check_s += time.perf_counter() - start
