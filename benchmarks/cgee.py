@@ -68,7 +68,11 @@ def main() -> None:
         generate_s += time.perf_counter() - start
         branches = [BranchAnswer(c.text, extract_gsm8k_answer(c.text), c.confidence) for c in completions]
         decisions = {}
-        for arm, cgee in ARMS.items():  # interleaved per question so drift hits every arm alike
+        # Interleaved per question, in an order rotated each question, so drift and the cache
+        # warmth the first arm leaves behind do not always favour the same arm.
+        names = list(ARMS)
+        rotated = names[qi % len(names):] + names[: qi % len(names)]
+        for arm, cgee in ((name, ARMS[name]) for name in rotated):
             start = time.perf_counter()
             answer, report, _ = verify_and_pick(problem.question, branches, judge, cgee)
             t = totals[arm]

@@ -25,8 +25,15 @@ AnswerExtractor = Callable[[str], "str | None"]
 _LETTER = re.compile(r"(?:answer(?: is)?\s*[:(]?\s*|\(|^|\s)([A-E])(?:\)|\.|\s|$)", re.IGNORECASE | re.MULTILINE)
 
 
+_STATED = re.compile(r"answer(?: is)?\s*[:(]?\s*\(?([A-E])\b", re.IGNORECASE)
+
+
 def extract_choice_letter(text: str) -> str | None:
-    """The last standalone multiple-choice letter A-E (``(B)``, ``answer: C``, ``D.``), upper-cased."""
+    """A multiple-choice letter A-E, upper-cased: the last one stated as "answer is X" / "answer: (X)",
+    else the last standalone letter (``(B)``, ``D.``)."""
+    stated = _STATED.findall(text)
+    if stated:
+        return stated[-1].upper()
     hits = _LETTER.findall(text)
     return hits[-1].upper() if hits else None
 

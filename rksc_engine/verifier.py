@@ -174,9 +174,12 @@ class LLMJudgeVerifier:
             if len(tails) > 1:
                 cache.batch_repeat_interleave(len(tails))
             try:
-                out = engine._forward(input_ids, cache, logits_to_keep=0)  # (B, T, V)
+                # Run the decoder body only and project just the label rows at the scored positions:
+                # the full-vocabulary head over every padded position would cost ~30% of the pass.
+                body = engine.model.get_decoder()
+                hidden = body(input_ids=input_ids, use_cache=True, **{engine._cache_kwarg: cache}).last_hidden_state
                 trace.exit_layer = len(layers) - 1
-                return out.logits[rows, last][:, self.label_ids], trace
+                return hidden[rows, last] @ label_rows.T, trace  # (B, 2); the body already applied the final norm
             except _StopForward:
                 return state["logits"], trace
         finally:

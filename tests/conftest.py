@@ -51,6 +51,23 @@ def make_tiny_model(seed: int = 0, vocab_size: int = 102, num_layers: int = 2, m
     return model
 
 
+class CountingHooks:
+    """Counts forward calls per decoder layer."""
+
+    def __init__(self, layers):
+        self.calls = [0] * len(layers)
+        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
+
+    def _hook(self, i):
+        def hook(*_):
+            self.calls[i] += 1
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 @pytest.fixture
 def tiny_tokenizer():
     return make_char_tokenizer()

@@ -7,7 +7,7 @@ online rule (entropy below theta and stable within epsilon) is checked against t
 
 import pytest
 import torch
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import CountingHooks, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig, wilson_interval
@@ -46,23 +46,6 @@ def reference_lens(engine, judge, question, answer):
             h.remove()
     with torch.no_grad():
         return [norm(h) @ rows.T for h in seen]  # each (2,)
-
-
-class CountingHooks:
-    """Counts forward calls per decoder layer."""
-
-    def __init__(self, layers):
-        self.calls = [0] * len(layers)
-        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
-
-    def _hook(self, i):
-        def hook(*_):
-            self.calls[i] += 1
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 @pytest.mark.parametrize("model_seed", [0, 1, 2])

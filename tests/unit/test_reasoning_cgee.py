@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import CountingHooks, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig, should_skip, summarise_votes, wilson_interval
@@ -74,21 +74,6 @@ def test_vote_shares_are_confidence_weighted():
     assert not should_skip(summary, CGEEConfig(tau_conf=0.7, margin=0.3))[0]
 
 
-class CountingHooks:
-    def __init__(self, layers):
-        self.calls = [0] * len(layers)
-        self.handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
-
-    def _hook(self, i):
-        def hook(*_):
-            self.calls[i] += 1
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
 def test_a_low_entropy_pass_exits_at_the_expected_layer_and_later_layers_do_not_run():
     engine = make_engine(num_layers=6)
     judge = LLMJudgeVerifier(engine)
@@ -129,6 +114,7 @@ def test_hooks_are_removed_and_the_cache_is_consistent_after_an_exception_in_a_p
 def test_extractors_and_bad_arguments():
     assert extract_choice_letter("I think the answer is (C).") == "C"
     assert extract_choice_letter("no letter here") is None
+    assert extract_choice_letter("So the answer is B. A quick check confirms it.") == "B"
     assert regex_extractor(r"ans=(\d+)")("ans=3 then ans=5") == "5"
     engine = make_engine()
     with pytest.raises(ValueError, match="answer_extractor"):
