@@ -137,7 +137,9 @@ class RKSCEngine:
 
     @property
     def model_name(self) -> str:
-        return str(getattr(self._model.config, "_name_or_path", "") or type(self._model).__name__)
+        # A local directory's name ("SmolLM2-135M-Instruct"), not its full cache path.
+        name = str(getattr(self._model.config, "_name_or_path", "") or "")
+        return Path(name).name if name else type(self._model).__name__
 
     def _model_supports_prefix_cache(self) -> bool:
         from transformers import DynamicCache
