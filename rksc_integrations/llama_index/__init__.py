@@ -1,0 +1,30 @@
+"""LlamaIndex integration: ``RKSCLLM`` for query engines, chat engines and agents, rksc events in
+LlamaIndex instrumentation, and self-consistency answering over one cached context.
+
+Requires ``llama-index-core`` (the ``llama-index`` extra); the engine itself never imports it.
+"""
+
+from .branches import BranchDecision, RKSCBranchQueryEngine, normalise_answer
+from .events import (
+    RKSC_EVENT_TYPES,
+    RKSCASKSReuseEvent,
+    RKSCBranchVoteEvent,
+    RKSCCacheReuseEvent,
+    RKSCCGEESkipEvent,
+    RKSCEarlyExitEvent,
+)
+from .llm import GENERATION_KWARGS, RKSCLLM
+
+__all__ = [
+    "GENERATION_KWARGS",
+    "RKSC_EVENT_TYPES",
+    "BranchDecision",
+    "RKSCASKSReuseEvent",
+    "RKSCBranchQueryEngine",
+    "RKSCBranchVoteEvent",
+    "RKSCCGEESkipEvent",
+    "RKSCCacheReuseEvent",
+    "RKSCEarlyExitEvent",
+    "RKSCLLM",
+    "normalise_answer",
+]

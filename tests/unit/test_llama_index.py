@@ -1,0 +1,383 @@
+"""RKSCLLM on the tiny model: LlamaIndex endpoints, streaming, async, stops, events, tools, branches."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E402
+from llama_index.core.callbacks import CallbackManager, CBEventType  # noqa: E402
+from llama_index.core.callbacks.base_handler import BaseCallbackHandler  # noqa: E402
+from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
+from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  # noqa: E402
+from llama_index.core.tools import FunctionTool  # noqa: E402
+
+from rksc_engine import Completion, SamplingParams  # noqa: E402
+from rksc_engine.cgee import CGEEConfig  # noqa: E402
+from rksc_integrations.llama_index import (  # noqa: E402
+    RKSCLLM,
+    RKSCBranchVoteEvent,
+    RKSCCacheReuseEvent,
+    RKSCCGEESkipEvent,
+    normalise_answer,
+)
+from rksc_integrations.llama_index.branches import decide  # noqa: E402
+from rksc_integrations.llama_index.messages import parse_tool_calls, to_engine_messages  # noqa: E402
+
+
+class Recorder(BaseEventHandler):
+    events: list = []
+
+    def handle(self, event, **kwargs):
+        self.events.append(event)
+
+
+@pytest.fixture
+def recorder():
+    handler = Recorder(events=[])
+    root = get_dispatcher()
+    root.add_event_handler(handler)
+    yield handler
+    root.event_handlers.remove(handler)
+
+
+@pytest.fixture
+def llm(tiny_engine):
+    return RKSCLLM(engine=tiny_engine, max_new_tokens=12)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# -- metadata and formatting --------------------------------------------------------------------
+def test_metadata_comes_from_the_engine_and_the_fields(llm, tiny_engine):
+    meta = llm.metadata
+    assert meta.context_window == tiny_engine.context_window == 512
+    assert meta.num_output == 12
+    assert meta.is_chat_model is True  # the char tokenizer has a chat template
+    assert meta.is_function_calling_model is True
+    assert meta.model_name == tiny_engine.model_name
+
+
+def test_complete_answers_the_prompt_as_a_user_turn_of_the_chat_template(llm, tiny_engine):
+    expected = tiny_engine.generate(user("hello"), SamplingParams(max_new_tokens=12)).text
+    assert llm.complete("hello").text == expected
+
+
+def test_formatted_complete_sends_the_prompt_verbatim(llm, tiny_engine):
+    expected = tiny_engine.generate("raw text", SamplingParams(max_new_tokens=12)).text
+    assert llm.complete("raw text", formatted=True).text == expected
+
+
+def test_streaming_and_non_streaming_complete_format_the_prompt_identically(tiny_engine):
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=12, completion_to_prompt=lambda p: f"Q: {p}\nA:")
+    whole = llm.complete("hi").text
+    pieces = list(llm.stream_complete("hi"))
+    assert whole == tiny_engine.generate("Q: hi\nA:", SamplingParams(max_new_tokens=12)).text
+    assert pieces[-1].text == whole
+    assert "".join(p.delta for p in pieces) == whole
+    assert len(pieces) > 2  # token by token, not one final chunk
+    assert all(later.text.startswith(earlier.text) for earlier, later in zip(pieces, pieces[1:]))
+
+
+def test_system_prompt_becomes_the_system_turn(tiny_engine):
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=12, system_prompt="Be brief.")
+    expected = tiny_engine.generate(
+        [{"role": "system", "content": "Be brief."}, *user("hello")], SamplingParams(max_new_tokens=12)
+    ).text
+    assert llm.complete("hello").text == expected
+
+
+def test_chat_and_stream_chat_render_messages_with_the_chat_template(llm, tiny_engine):
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content="sys"), ChatMessage(role=MessageRole.USER, content="hey")]
+    expected = tiny_engine.generate(
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "hey"}], SamplingParams(max_new_tokens=12)
+    ).text
+    assert llm.chat(messages).message.content == expected
+    streamed = list(llm.stream_chat(messages))
+    assert streamed[-1].message.content == expected
+    assert "".join(r.delta for r in streamed) == expected
+
+
+def test_llama_index_roles_fold_onto_the_engine_roles():
+    messages = [
+        ChatMessage(role=MessageRole.DEVELOPER, content="d"),
+        ChatMessage(role=MessageRole.CHATBOT, content="c"),
+        ChatMessage(role=MessageRole.FUNCTION, content="f"),
+    ]
+    assert [m["role"] for m in to_engine_messages(messages)] == ["system", "assistant", "tool"]
+
+
+# -- stops --------------------------------------------------------------------------------------
+def test_a_stop_string_spanning_several_tokens_cuts_text_and_stream(llm):
+    full = llm.complete("hello", max_new_tokens=12).text
+    stop = full[3:6]  # three characters = three tokens of the char tokenizer
+    cut = full[: full.find(stop)]
+    assert llm.complete("hello", stop=[stop]).text == cut
+    pieces = list(llm.stream_complete("hello", stop=stop))
+    assert "".join(p.delta for p in pieces) == cut
+    assert pieces[-1].additional_kwargs["finish_reason"] == "stop"
+
+
+# -- cache reuse and instrumentation ------------------------------------------------------------
+def test_a_repeated_prompt_reports_its_prefix_as_cached(llm):
+    first = llm.complete("shared context")
+    second = llm.complete("shared context")
+    assert first.additional_kwargs["cached_tokens"] == 0
+    assert second.additional_kwargs["cached_tokens"] == second.additional_kwargs["prompt_tokens"] - 1
+
+
+def test_a_custom_event_handler_receives_the_cache_reuse_event_inside_the_llm_span(llm, recorder):
+    llm.complete("shared context")
+    llm.complete("shared context")
+    reuse = [e for e in recorder.events if isinstance(e, RKSCCacheReuseEvent)]
+    ends = [e for e in recorder.events if isinstance(e, LLMCompletionEndEvent)]
+    assert len(reuse) == 2 and len(ends) == 2
+    assert reuse[0].num_cached_tokens == 0 and reuse[1].num_cached_tokens == reuse[1].num_prompt_tokens - 1
+    assert reuse[1].reuse_rate > 0.9
+    assert reuse[1].cache_tokens > 0
+    assert reuse[1].span_id == ends[1].span_id  # tied to the LLM call that caused it
+
+
+def test_streams_and_async_calls_emit_the_cache_event_too(llm, recorder):
+    list(llm.stream_complete("abc"))
+    asyncio.run(llm.acomplete("abc"))
+    reuse = [e for e in recorder.events if isinstance(e, RKSCCacheReuseEvent)]
+    assert [e.num_cached_tokens > 0 for e in reuse] == [False, True]
+
+
+def test_multi_branch_calls_emit_vote_and_cgee_events(llm, recorder):
+    response = llm.complete("pick", branches=3, seed=0)
+    vote = [e for e in recorder.events if isinstance(e, RKSCBranchVoteEvent)]
+    cgee = [e for e in recorder.events if isinstance(e, RKSCCGEESkipEvent)]
+    assert len(vote) == 1 and vote[0].num_branches == 3 and sum(vote[0].votes.values()) == 3
+    assert len(cgee) == 1 and cgee[0].skipped == response.additional_kwargs["rksc_branches"]["cgee_skipped"]
+
+
+class LLMEvents(BaseCallbackHandler):
+    def __init__(self):
+        super().__init__([], [])
+        self.starts, self.ends = 0, 0
+
+    def on_event_start(self, event_type, payload=None, event_id="", parent_id="", **kwargs):
+        self.starts += event_type == CBEventType.LLM
+        return event_id
+
+    def on_event_end(self, event_type, payload=None, event_id="", **kwargs):
+        self.ends += event_type == CBEventType.LLM
+
+    def start_trace(self, trace_id=None):
+        pass
+
+    def end_trace(self, trace_id=None, trace_map=None):
+        pass
+
+
+def test_llama_index_callbacks_see_every_endpoint(tiny_engine):
+    handler = LLMEvents()
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=4, callback_manager=CallbackManager([handler]))
+    msgs = [ChatMessage(role=MessageRole.USER, content="x")]
+    llm.complete("x")
+    list(llm.stream_complete("x"))
+    llm.chat(msgs)
+    list(llm.stream_chat(msgs))
+
+    async def run_async():
+        await llm.acomplete("x")
+        [r async for r in await llm.astream_complete("x")]
+        await llm.achat(msgs)
+        [r async for r in await llm.astream_chat(msgs)]
+
+    asyncio.run(run_async())
+    assert (handler.starts, handler.ends) == (8, 8)
+
+
+# -- async --------------------------------------------------------------------------------------
+def _slow(engine, monkeypatch, delay: float = 0.05):
+    """Make the engine block its thread (as a real model does) so a blocked loop would show."""
+    generate, stream = engine.generate, engine.stream
+
+    def slow_generate(*args, **kwargs):
+        time.sleep(delay * 6)
+        return generate(*args, **kwargs)
+
+    def slow_stream(*args, **kwargs):
+        for chunk in stream(*args, **kwargs):
+            time.sleep(delay)
+            yield chunk
+
+    monkeypatch.setattr(engine, "generate", slow_generate)
+    monkeypatch.setattr(engine, "stream", slow_stream)
+
+
+async def _ticks_during(coro) -> tuple[object, int]:
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(ticker())
+    try:
+        return await coro, ticks
+    finally:
+        done.set()
+        await task
+
+
+def test_acomplete_does_not_block_the_event_loop(llm, tiny_engine, monkeypatch):
+    expected = llm.complete("hello").text
+    _slow(tiny_engine, monkeypatch)
+    response, ticks = asyncio.run(_ticks_during(llm.acomplete("hello")))
+    assert response.text == expected
+    assert ticks >= 10  # the engine slept 0.3 s in its thread; a blocked loop would tick once
+
+
+def test_astream_complete_streams_tokens_without_blocking_the_loop(llm, tiny_engine, monkeypatch):
+    expected = llm.complete("hello").text
+    _slow(tiny_engine, monkeypatch)
+
+    async def consume():
+        return [r async for r in await llm.astream_complete("hello")]
+
+    pieces, ticks = asyncio.run(_ticks_during(consume()))
+    assert pieces[-1].text == expected and "".join(p.delta for p in pieces) == expected
+    assert len(pieces) > 2
+    assert ticks >= 10
+
+
+def test_an_abandoned_async_stream_releases_the_engine(llm, tiny_engine):
+    async def take_two():
+        stream = await llm.astream_complete("hello", max_new_tokens=64)
+        got = [await stream.__anext__(), await stream.__anext__()]
+        await stream.aclose()
+        return got
+
+    assert len(asyncio.run(take_two())) == 2
+    result = []
+    worker = threading.Thread(target=lambda: result.append(tiny_engine.generate("again", SamplingParams(max_new_tokens=2))))
+    worker.start()
+    worker.join(timeout=10)
+    assert result and result[0].num_generated_tokens == 2
+
+
+def test_achat_matches_chat(llm):
+    msgs = [ChatMessage(role=MessageRole.USER, content="yo")]
+    assert asyncio.run(llm.achat(msgs)).message.content == llm.chat(msgs).message.content
+
+
+# -- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda llm: llm.complete(""), ValueError, "non-empty"),
+        (lambda llm: llm.complete(["not", "a", "string"]), TypeError, "prompt must be a string"),
+        (lambda llm: llm.complete("x", max_tokens=5), TypeError, "per-call options"),
+        (lambda llm: llm.complete("x", temperature=-1.0), ValueError, "temperature"),
+        (lambda llm: llm.complete("x", branches=0), ValueError, "branches"),
+        (lambda llm: llm.complete("x" * 600, formatted=True), ValueError, "context window"),
+        (lambda llm: llm.chat([]), ValueError, "must not be empty"),
+        # LlamaIndex's own callback validates messages first (pydantic's ValidationError is a ValueError).
+        (lambda llm: llm.chat(["hi"]), ValueError, "ChatMessage"),
+        (lambda llm: llm.stream_complete("x", stop=[""]), ValueError, "non-empty"),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_the_engine_stays_usable(llm, call, error, match):
+    before = llm.complete("ok").text
+    with pytest.raises(error, match=match):
+        call(llm)
+    assert llm.complete("ok").text == before
+
+
+def test_bad_fields_fail_at_construction(tiny_engine):
+    with pytest.raises(ValueError):
+        RKSCLLM(engine=tiny_engine, top_p=0.0)
+    with pytest.raises(ValueError, match="either engine or model"):
+        RKSCLLM(engine=tiny_engine, model="/some/dir")
+    with pytest.raises(TypeError, match="RKSCEngine"):
+        RKSCLLM(engine="not an engine")
+
+
+# -- tool calls ---------------------------------------------------------------------------------
+def test_tool_call_blocks_are_parsed_and_malformed_ones_stay_in_the_prose():
+    prose, calls = parse_tool_calls('Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert prose == "Sure." and [(c.tool_name, c.tool_kwargs) for c in calls] == [("add", {"a": 1})]
+    text = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(text) == (text, [])
+
+
+def _scripted(engine, monkeypatch, text: str) -> list:
+    """Make the engine answer ``text``; returns the prompts it was given."""
+    prompts = []
+    generate = engine.generate
+
+    def scripted(prompt, params=None):
+        prompts.append(prompt)
+        real = generate(prompt, SamplingParams(max_new_tokens=1))
+        return Completion(text=text, token_ids=real.token_ids, logprobs=real.logprobs, finish_reason="eos",
+                          num_prompt_tokens=real.num_prompt_tokens, num_cached_tokens=real.num_cached_tokens)
+
+    monkeypatch.setattr(engine, "generate", scripted)
+    return prompts
+
+
+def test_predict_and_call_offers_the_tools_and_runs_the_call_the_model_makes(llm, tiny_engine, monkeypatch):
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    prompts = _scripted(tiny_engine, monkeypatch, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    result = llm.predict_and_call([FunctionTool.from_defaults(fn=add)], user_msg="What is 2 + 3?")
+    assert result.response == "5"
+    system = prompts[0][0]
+    assert system["role"] == "system" and '"name": "add"' in system["content"] and "<tool_call>" in system["content"]
+
+
+def test_a_reply_without_a_tool_call_is_an_error_only_when_one_is_required(llm, tiny_engine, monkeypatch):
+    _scripted(tiny_engine, monkeypatch, "no tools needed")
+    response = llm.chat_with_tools([FunctionTool.from_defaults(fn=lambda x: x, name="echo")], user_msg="hi")
+    assert llm.get_tool_calls_from_response(response, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="expected at least one tool call"):
+        llm.get_tool_calls_from_response(response)
+
+
+# -- branches -----------------------------------------------------------------------------------
+def _completion(text: str, logprob: float) -> Completion:
+    return Completion(text=text, token_ids=(1,), logprobs=(logprob,), finish_reason="eos", num_prompt_tokens=3)
+
+
+def test_normalised_answers_vote_together_and_the_most_confident_of_the_winners_is_returned():
+    completions = [_completion("London", -0.1), _completion("Paris.", -1.0), _completion("  paris", -0.2)]
+    decision = decide(completions, normalise_answer, CGEEConfig())
+    assert decision.answer == "paris" and decision.votes == {"london": 1, "paris": 2}
+    assert decision.chosen_branch == 2
+    assert decision.cgee_skipped is False  # 2 of 3 is not a decisive vote
+
+
+def test_a_unanimous_vote_lets_cgee_skip_verification():
+    completions = [_completion("Yes", -0.1), _completion("yes!", -0.2), _completion("YES", -0.3)]
+    decision = decide(completions, normalise_answer, CGEEConfig())
+    assert decision.cgee_skipped is True and decision.p == 1.0 and decision.lead == 1.0
+
+
+def test_greedy_settings_still_sample_distinct_branches(llm):
+    response = llm.complete("pick", branches=4, seed=1)
+    assert sum(response.additional_kwargs["rksc_branches"]["votes"].values()) <= 4
+    assert len(response.additional_kwargs["rksc_branches"]["votes"]) > 1  # branch_temperature, not argmax
+
+
+def test_the_engine_package_never_imports_llama_index():
+    code = "import sys, rksc_engine; sys.exit(any(m.startswith('llama_index') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
