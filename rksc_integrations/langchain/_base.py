@@ -1,0 +1,197 @@
+"""What ``RKSCLLM`` and ``ChatRKSC`` share: constructor fields, the engine, per-call parameters,
+and how a ``Completion``'s accounting becomes LangChain metadata."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import CallbackManager, CallbackManagerForLLMRun, dispatch_custom_event
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
+
+# Per-call keyword arguments (``model.invoke(x, max_tokens=8)``) that override the field of that name.
+CALL_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+
+CACHE_EVENT = "rksc_cache_reuse"
+
+_shared_engines: dict[tuple[str, str, str], RKSCEngine] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_engine(model: str | None, device: str, dtype: str, config: EngineConfig | None) -> RKSCEngine:
+    """One engine per (model, device, dtype) in the process.
+
+    LangChain builds models freely (every ``ChatRKSC()`` in a chain, a test fixture per test); loading
+    the weights each time would cost seconds and memory, and separate engines would not share a prefix
+    cache. An explicit ``engine_config`` gets its own engine, since the shared one may differ.
+    """
+    if config is not None:
+        return RKSCEngine.from_pretrained(model, device=device, dtype=dtype, config=config, progress=False)
+    key = (str(Path(model).resolve()) if model is not None else "", device, dtype)
+    with _shared_lock:
+        if key not in _shared_engines:
+            _shared_engines[key] = RKSCEngine.from_pretrained(model, device=device, dtype=dtype, progress=False)
+        return _shared_engines[key]
+
+
+class RKSCFields(BaseModel):
+    """Constructor fields of both LangChain models."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", arbitrary_types_allowed=True)
+
+    model: str | None = Field(default=None)
+    """Local Hugging Face model directory; ``None`` loads the embedded default (SmolLM2-135M-Instruct)."""
+    device: str = "auto"
+    """Device the model is loaded on when built from ``model``: ``"auto"``, ``"cpu"``, ``"cuda"``..."""
+    dtype: str = "auto"
+    """Weights dtype when built from ``model``: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a name."""
+    engine_config: EngineConfig | None = Field(default=None, exclude=True)
+    """Engine settings (prefix cache budget...) used when the engine is built here; None shares one engine."""
+    max_new_tokens: int = Field(default=256, gt=0, alias="max_tokens")
+    """Upper bound on generated tokens per generation (also accepted as ``max_tokens``)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """0 decodes greedily (exact against transformers); > 0 samples."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus mass in (0, 1]; 1 disables it."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens; 0 disables it."""
+    stop: list[str] | None = None
+    """Strings that end generation, matched on decoded text, so a stop spanning several tokens works."""
+    seed: int | None = Field(default=None, ge=0)
+    """Seed of generation 0 (generation i of a prompt uses seed + i); None draws a fresh seed per call."""
+    n: int = Field(default=1, ge=1)
+    """Generations per prompt: prefilled once, decoded as one batch, each kept as its own generation."""
+    streaming: bool = False
+    """Produce ``invoke`` results by streaming internally (callbacks then see every token)."""
+    timeout: float | None = Field(default=None, ge=0)
+    """Accepted for API parity with hosted models; local generation is bounded by ``max_new_tokens``."""
+    max_retries: int = Field(default=0, ge=0)
+    """Accepted for API parity; a local generation has no transient failure to retry."""
+
+    _engine: RKSCEngine = PrivateAttr()
+
+    def __init__(self, engine: RKSCEngine | None = None, **fields: Any) -> None:
+        if engine is not None and not isinstance(engine, RKSCEngine):
+            raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
+        if engine is not None and fields.get("model") is not None:
+            raise ValueError("pass either engine or model, not both")
+        super().__init__(**fields)
+        self.sampling_params({})  # a bad combination fails at construction, not at the first call
+        self._engine = engine if engine is not None else shared_engine(
+            self.model, self.device, self.dtype, self.engine_config
+        )
+
+    @classmethod
+    def from_model_id(cls, model_id: str | None = None, **fields: Any) -> Any:
+        """Build from a local model directory (``None``: the embedded default), like
+        ``HuggingFacePipeline.from_model_id``; the weights are never downloaded here."""
+        return cls(model=model_id, **fields)
+
+    @property
+    def engine(self) -> RKSCEngine:
+        """The engine; share it with other components to share its prefix cache."""
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        """The model directory's name, e.g. ``"SmolLM2-135M-Instruct"``."""
+        return self._engine.model_name
+
+    # -- per-call parameters --------------------------------------------------------------------
+    def sampling_params(
+        self, kwargs: dict[str, Any], stop: list[str] | None = None, extra_stop: tuple[str, ...] = ()
+    ) -> tuple[SamplingParams, int]:
+        """The engine parameters of one call: fields overridden by ``kwargs``; stops are merged.
+
+        Raises:
+            TypeError: An unknown keyword argument (named in the message), or a value of the wrong type.
+            ValueError: A value out of range.
+        """
+        unknown = sorted(set(kwargs) - set(CALL_KWARGS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; per-call options are {list(CALL_KWARGS)}")
+        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
+            raise TypeError("pass max_tokens or max_new_tokens, not both")
+        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        n = kwargs.get("n", self.n)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        stops = _stop_list(self.stop, "stop") + _stop_list(stop, "stop") + list(extra_stop)
+        params = SamplingParams(
+            max_new_tokens=max_new,
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            stop=tuple(dict.fromkeys(stops)),  # de-duplicated, order kept
+            seed=kwargs.get("seed", self.seed),
+        )
+        return params, n
+
+    # -- reporting ------------------------------------------------------------------------------
+    def usage(self, completion: Completion, output_tokens: int | None = None) -> dict[str, Any]:
+        """``UsageMetadata`` of a generation; ``cache_read`` = prompt tokens served from the prefix cache."""
+        out = completion.num_generated_tokens if output_tokens is None else output_tokens
+        return {
+            "input_tokens": completion.num_prompt_tokens,
+            "output_tokens": out,
+            "total_tokens": completion.num_prompt_tokens + out,
+            "input_token_details": {"cache_read": completion.num_cached_tokens},
+        }
+
+    def generation_info(self, completion: Completion) -> dict[str, Any]:
+        return {
+            "model_name": self._engine.model_name,
+            "finish_reason": completion.finish_reason,
+            "num_prompt_tokens": completion.num_prompt_tokens,
+            "num_cached_tokens": completion.num_cached_tokens,
+            "branch_index": completion.branch_index,
+            "seed": completion.seed,
+        }
+
+    def report(self, completion: Completion, n: int, run_manager: CallbackManagerForLLMRun | None) -> dict[str, Any]:
+        """Emit the cache-reuse custom event (when there is a run to attach it to) and return its data."""
+        data = {
+            "model_name": self._engine.model_name,
+            "num_prompt_tokens": completion.num_prompt_tokens,
+            "num_cached_tokens": completion.num_cached_tokens,
+            "num_generations": n,
+        }
+        # dispatch_custom_event raises without a parent run: the LLM run is that parent when we have
+        # its manager; otherwise (LangChain's stream() calls _stream without one) the ambient run is.
+        config = None
+        if run_manager is not None:
+            manager = CallbackManager(
+                handlers=run_manager.handlers, inheritable_handlers=run_manager.inheritable_handlers,
+                parent_run_id=run_manager.run_id, tags=run_manager.tags, metadata=run_manager.metadata,
+            )
+            config = {"callbacks": manager}
+        try:
+            dispatch_custom_event(CACHE_EVENT, data, config=config)
+        except RuntimeError:
+            pass
+        return data
+
+    def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        stops = _stop_list(self.stop, "stop") + _stop_list(stop, "stop")
+        params: dict[str, Any] = {
+            "ls_provider": "rksc",
+            "ls_model_name": kwargs.get("model", self._engine.model_name),  # the suite expects a per-call name honoured
+            "ls_temperature": kwargs.get("temperature", self.temperature),
+            "ls_max_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
+        }
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+
+def _stop_list(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise TypeError(f"{name} must be a string or a list of strings, got {value!r}")
+    return list(value)

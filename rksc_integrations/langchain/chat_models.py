@@ -1,0 +1,406 @@
+"""``ChatRKSC``: the rksc engine as a LangChain chat model.
+
+Drop-in for ``ChatHuggingFace(llm=HuggingFacePipeline(...))``::
+
+    chat = ChatRKSC()                              # embedded default model
+    chat = ChatRKSC(engine=engine, max_tokens=64)  # an engine you already have (its cache is shared)
+
+What differs, on purpose:
+    * Any history renders (AI or tool message last, as an agent loop sends).
+    * Each call's prompt goes through the engine's prefix cache; the reuse shows in
+      ``usage_metadata["input_token_details"]["cache_read"]``, ``response_metadata["num_cached_tokens"]``
+      and an ``rksc_cache_reuse`` custom event.
+    * ``n > 1`` decodes sibling generations over one prefill; each is its own ``ChatGeneration``.
+    * Tool calls and structured output are decoded under the schema (``constrained``), so even the
+      135M default model returns well-formed calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict
+
+from rksc_engine import Completion, SamplingParams
+
+from ._async import iterate_in_thread
+from ._base import RKSCFields
+from .constrained import ConstrainedDecoder
+from .messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, add_tool_prompt, template_takes_tools, to_engine_messages
+
+# Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
+_BOUND_KWARGS = ("tools", "tool_choice", "response_format")
+JSON_INSTRUCTION = "Answer with one JSON object and nothing else."
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    functions: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"name", "description", "parameters"}
+    forced: bool = False  # a tool call must be made
+    forced_name: str | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatRKSC(RKSCFields, BaseChatModel):
+    """A LangChain chat model backed by an ``RKSCEngine``.
+
+    Args:
+        engine: An engine to use (exclusive with ``model``). With neither, the embedded default is
+            loaded once per process and shared.
+        **fields: The fields below. ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``
+            and ``n`` can also be passed per call; other call keyword arguments raise ``TypeError``.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    @property
+    def _llm_type(self) -> str:
+        return "rksc-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop, "seed": self.seed, "n": self.n,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        return {**self.ls_params(stop, kwargs), "ls_model_type": "chat"}
+
+    # -- tools and structured output ------------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer ``tools`` to the model.
+
+        Args:
+            tools: Anything ``convert_to_openai_tool`` accepts (pydantic classes, functions, tools, dicts).
+            tool_choice: ``None``/``"auto"`` lets the model decide; ``"any"``/``"required"``/``True``
+                forces a call to one of the tools; a tool name or ``{"function": {"name": ...}}``
+                forces that tool; ``"none"`` offers no tools.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        names = [t["function"]["name"] for t in formatted]
+        choice = _normalise_tool_choice(tool_choice, names)
+        if choice == "none":
+            formatted, choice = [], None
+        return super().bind(tools=formatted, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Answers as ``schema`` (a pydantic class, TypedDict or JSON schema).
+
+        Args:
+            method: ``"function_calling"``: a forced call of a tool named after the schema;
+                ``"json_schema"``: the message content is JSON decoded under the schema;
+                ``"json_mode"``: a JSON object; without ``schema`` the model chooses its keys, with one
+                it is decoded like ``"json_schema"``.
+            include_raw: Return ``{"raw", "parsed", "parsing_error"}`` instead of the parsed value.
+            strict: Accepted for API parity: decoding always follows the schema (see ``constrained``).
+        """
+        if kwargs:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(kwargs)}")
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("schema is required for method='function_calling'")
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+        if method == "json_schema" and schema is None:
+            raise ValueError("schema is required for method='json_schema'")
+        json_schema = convert_to_json_schema(schema) if schema is not None else None
+        # JSON mode has the model choose the keys; a schema given to it is still used to decode, since
+        # the answer is parsed as that schema and a small model rarely guesses its shape unaided.
+        response_format = (
+            {"type": "json_schema" if method == "json_schema" else "json_object", "schema": _inline_refs(json_schema)}
+            if json_schema is not None else {"type": "json_object"}
+        )
+        llm = self.bind(
+            response_format=response_format,
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema},
+        )
+        parser = PydanticOutputParser(pydantic_object=schema) if isinstance(schema, type) and is_basemodel_subclass(schema) else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+    # -- request --------------------------------------------------------------------------------
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+        bound = {k: kwargs.pop(k) for k in _BOUND_KWARGS if k in kwargs}
+        tools = bound.get("tools") or []
+        functions = {t["function"]["name"]: t["function"] for t in tools}
+        forced_name = None
+        choice = bound.get("tool_choice")
+        if functions and choice is not None:
+            choice = _normalise_tool_choice(choice, list(functions))
+            forced_name = choice if choice in functions else (next(iter(functions)) if len(functions) == 1 else None)
+        response_format = bound.get("response_format")
+        # The tool-call opener ends free text, so a call the model starts is finished under the schema.
+        params, n = self.sampling_params(kwargs, stop, (TOOL_CALL_OPEN,) if functions else ())
+        tokenizer = self.engine.tokenizer
+        native = bool(functions) and template_takes_tools(tokenizer)
+        engine_messages = to_engine_messages(messages, native_tools=native)
+        if functions and not native:
+            engine_messages = add_tool_prompt(engine_messages, list(functions.values()))
+        if response_format is not None:
+            hint = JSON_INSTRUCTION
+            if response_format.get("schema"):
+                hint += " Its JSON schema: " + json.dumps(response_format["schema"], ensure_ascii=False)
+            engine_messages = _append_system(engine_messages, hint)
+        if getattr(tokenizer, "chat_template", None):
+            extra = {"tools": tools} if native else {}
+            text = self.engine.render_chat(engine_messages, **extra)
+        else:  # a base model: a plain transcript ending where the assistant speaks
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in engine_messages) + "Assistant:"
+        prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _Request(
+            prompt_ids, params, n, functions, forced=bool(functions) and choice is not None,
+            forced_name=forced_name, response_format=response_format,
+        )
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self.streaming:
+            from langchain_core.language_models.chat_models import generate_from_stream
+
+            return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        request = self._request(messages, stop, kwargs)
+        if request.forced or request.response_format is not None:
+            results = [self._constrained(request, "", _branch_seed(request.params, i)) for i in range(request.n)]
+            report = self.report(results[0][1], request.n, run_manager)
+            messages_out = [m for m, _ in results]
+            for m in messages_out:
+                m.response_metadata["rksc_cache_reuse"] = report
+            generations = [ChatGeneration(message=m, generation_info=dict(m.response_metadata)) for m in messages_out]
+            return ChatResult(generations=generations, llm_output=_llm_output(messages_out, self.model_name))
+        completions = self.engine.generate_branches(request.prompt_ids, request.n, request.params)
+        report = self.report(completions[0], request.n, run_manager)
+        generations = []
+        for completion in completions:
+            message = self._message(completion, request)
+            message.response_metadata["rksc_cache_reuse"] = report
+            generations.append(ChatGeneration(message=message, generation_info=dict(message.response_metadata)))
+        return ChatResult(generations=generations, llm_output=_llm_output([g.message for g in generations], self.model_name))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # The engine is synchronous and holds its lock for a whole generation: a worker thread does it.
+        sync_manager = run_manager.get_sync() if run_manager else None
+        return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # LangChain's stream() reports each yielded chunk to on_llm_new_token itself.
+        request = self._request(messages, stop, kwargs)
+        if request.n != 1:
+            raise ValueError(f"streaming produces one generation; n must be 1, got {request.n}")
+        if request.forced or request.response_format is not None:
+            message, first = self._constrained(request, "", request.params.seed)
+            message.response_metadata["rksc_cache_reuse"] = self.report(first, 1, run_manager)
+            yield _last_chunk(message)
+            return
+        completion: Completion | None = None
+        tail = ""
+        for piece in self.engine.stream(request.prompt_ids, request.params):
+            if piece.completion is not None:
+                completion, tail = piece.completion, piece.text
+            elif piece.text:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+        assert completion is not None  # the engine's last chunk always carries it
+        report = self.report(completion, 1, run_manager)
+        message = self._message(completion, request)
+        message.response_metadata["rksc_cache_reuse"] = report
+        streamed = completion.text[: len(completion.text) - len(tail)]
+        message.content = message.content[len(streamed):] if isinstance(message.content, str) else message.content
+        yield _last_chunk(message)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        sync_manager = run_manager.get_sync() if run_manager else None
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
+            yield chunk
+
+    # -- results --------------------------------------------------------------------------------
+    def _message(self, completion: Completion, request: _Request) -> AIMessage:
+        """The AIMessage of a free generation; a tool call the model started is finished constrained."""
+        if request.functions and _ended_at_tool_call(self.engine.tokenizer, completion):
+            return self._constrained(request, completion.text, completion.seed, free=completion)[0]
+        return AIMessage(
+            content=completion.text,
+            usage_metadata=self.usage(completion),
+            response_metadata=self.generation_info(completion),
+        )
+
+    def _constrained(
+        self, request: _Request, prose: str, seed: int | None, free: Completion | None = None
+    ) -> tuple[AIMessage, Completion]:
+        """A tool call (or a JSON answer) decoded under the bound schemas, after ``prose``, and the
+        completion whose prompt accounting it reports (the free one that started the call, or the first)."""
+        params = SamplingParams(
+            max_new_tokens=min(request.params.max_new_tokens, 64), temperature=request.params.temperature,
+            top_p=request.params.top_p, top_k=request.params.top_k, seed=seed,
+        )
+        decoder = ConstrainedDecoder(self.engine, request.prompt_ids, params, text=prose)
+        tool_calls: list[dict[str, Any]] = []
+        if request.functions and (request.forced or free is not None):
+            decoder.emit(TOOL_CALL_OPEN + '{"name": ')
+            if request.forced_name is not None:
+                decoder.emit(json.dumps(request.forced_name, ensure_ascii=False))
+                name = request.forced_name
+            else:
+                name = decoder.choose(list(request.functions))
+            decoder.emit(', "arguments": ')
+            args = decoder.value(request.functions[name].get("parameters") or {"type": "object", "properties": {}})
+            decoder.emit("}" + TOOL_CALL_CLOSE)
+            tool_calls.append({"name": name, "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
+            content = prose
+            finish_reason = "tool_calls"
+        else:
+            response_format = request.response_format or {}
+            schema = response_format.get("schema")
+            value = decoder.value(schema) if schema else decoder.free_object()
+            content = json.dumps(value, ensure_ascii=False)
+            finish_reason = "stop"
+        first = free if free is not None else decoder.first
+        if first is None:  # the schema left nothing for the model to write (a tool without arguments)
+            first = Completion("", (), (), "stop", num_prompt_tokens=len(request.prompt_ids))
+        elif free is None:
+            # The first value's prompt already held some scaffold; report the request's own prompt.
+            first = dataclasses.replace(
+                first, num_prompt_tokens=len(request.prompt_ids),
+                num_cached_tokens=min(first.num_cached_tokens, len(request.prompt_ids)),
+            )
+        output_tokens = decoder.output_tokens + (free.num_generated_tokens if free is not None else 0)
+        metadata = {**self.generation_info(first), "finish_reason": finish_reason, "constrained": True}
+        message = AIMessage(
+            content=content, tool_calls=tool_calls, usage_metadata=self.usage(first, output_tokens), response_metadata=metadata
+        )
+        return message, first
+
+
+def _normalise_tool_choice(choice: Any, names: list[str]) -> str | None:
+    """``None`` (auto), ``"any"`` (some tool), ``"none"`` or a tool name."""
+    if choice is None or choice == "auto" or choice is False:
+        return None
+    if choice in ("any", "required") or choice is True:
+        return "any"
+    if choice == "none":
+        return "none"
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none', True or one of the tool names {names}, got {choice!r}")
+
+
+def _ended_at_tool_call(tokenizer: Any, completion: Completion) -> bool:
+    """Whether generation stopped at the tool-call opener (rather than a user stop string or EOS)."""
+    if completion.finish_reason != "stop":
+        return False
+    full = tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+    return full[len(completion.text):].startswith(TOOL_CALL_OPEN)
+
+
+def _branch_seed(params: SamplingParams, i: int) -> int | None:
+    return None if params.seed is None else params.seed + i
+
+
+def _append_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": (messages[0]["content"] + "\n\n" + text).strip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with local ``$ref``s replaced by their definitions (the decoder walks plain schemas)."""
+    defs = {**schema.get("$defs", {}), **schema.get("definitions", {})}
+
+    def walk(node: Any, depth: int = 0) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.rsplit("/", 1)[-1] in defs and depth < 16:
+                return walk({**defs[ref.rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}, depth + 1)
+            return {k: walk(v, depth) for k, v in node.items() if k not in ("$defs", "definitions")}
+        if isinstance(node, list):
+            return [walk(v, depth) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def _last_chunk(message: AIMessage) -> ChatGenerationChunk:
+    tool_call_chunks = [
+        {"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+        for i, c in enumerate(message.tool_calls)
+    ]
+    chunk = AIMessageChunk(
+        content=message.content, tool_call_chunks=tool_call_chunks, usage_metadata=message.usage_metadata,
+        response_metadata=message.response_metadata, chunk_position="last",
+    )
+    return ChatGenerationChunk(message=chunk, generation_info=dict(message.response_metadata))
+
+
+def _llm_output(messages: list[BaseMessage], model_name: str) -> dict[str, Any]:
+    usage = [m.usage_metadata for m in messages if getattr(m, "usage_metadata", None)]
+    return {
+        "model_name": model_name,
+        "token_usage": {
+            "prompt_tokens": usage[0]["input_tokens"] if usage else 0,
+            "completion_tokens": sum(u["output_tokens"] for u in usage),
+            "cached_tokens": usage[0]["input_token_details"]["cache_read"] if usage else 0,
+        },
+    }
