@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams
 
-from ._async import iterate_in_thread
+from .._async import iterate_in_thread
 from ._base import RKSCFields
 from .constrained import ConstrainedDecoder
 from .messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, add_tool_prompt, template_takes_tools, to_engine_messages

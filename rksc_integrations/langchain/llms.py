@@ -19,7 +19,7 @@ from pydantic import ConfigDict
 
 from rksc_engine import Completion
 
-from ._async import iterate_in_thread
+from .._async import iterate_in_thread
 from ._base import RKSCFields
 
 

@@ -45,7 +45,7 @@ from llama_index.core.llms.llm import ToolSelection, default_completion_to_promp
 from rksc_engine import Completion, RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig
 
-from ._async import iterate_in_thread, run_in_thread
+from .._async import iterate_in_thread, run_in_thread
 from .branches import AnswerKey, BranchDecision, current_collector, decide, normalise_answer
 from .events import RKSCBranchVoteEvent, RKSCCacheReuseEvent, RKSCCGEESkipEvent, emit
 from .messages import parse_tool_calls, to_engine_messages, tool_system_prompt

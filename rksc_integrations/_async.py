@@ -1,8 +1,11 @@
-"""Run blocking engine work off the event loop.
+"""Run blocking engine work off the event loop; shared by the LangChain and LlamaIndex adapters.
 
 The engine is synchronous and holds a lock for a whole generation; awaiting it directly would
 freeze every other task on the loop for seconds. Calls go to a worker thread; a stream is drained
-by a worker thread into an ``asyncio.Queue``, so the loop only ever waits on the queue.
+by one dedicated worker thread into an ``asyncio.Queue``, so the loop only ever waits on the queue.
+One thread per stream matters: an engine stream holds the engine's re-entrant lock for its whole
+life, and a lock taken in one thread cannot be released from another (LangChain's default
+``_astream`` would call ``next()`` from a fresh executor thread each time).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIt
                 close()
             put(_DONE)
 
-    thread = threading.Thread(target=context.run, args=(worker,), name="rksc-llama-index-stream", daemon=True)
+    thread = threading.Thread(target=context.run, args=(worker,), name="rksc-stream", daemon=True)
     thread.start()
     try:
         while True:
