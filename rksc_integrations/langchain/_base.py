@@ -174,6 +174,14 @@ class RKSCFields(BaseModel):
             pass
         return data
 
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        # Both models identify themselves by the same settings (LangChain uses this for caching/tracing).
+        return {
+            "model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop, "seed": self.seed, "n": self.n,
+        }
+
     def ls_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         stops = _stop_list(self.stop, "stop") + _stop_list(stop, "stop")
         params: dict[str, Any] = {

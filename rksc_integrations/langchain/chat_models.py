@@ -76,13 +76,6 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     def _llm_type(self) -> str:
         return "rksc-chat"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "stop": self.stop, "seed": self.seed, "n": self.n,
-        }
-
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         return {**self.ls_params(stop, kwargs), "ls_model_type": "chat"}
 
