@@ -1,0 +1,10 @@
+"""``rksc bench``: the paper's tables reproduced side by side on the user's machine.
+
+This package is a front-end, not part of the engine: it drives ``rksc_engine`` in several
+configurations (the arms) and, for the "what you run today" arm, ``langchain-huggingface`` over the
+same weights. ``rksc_engine`` itself never imports it.
+"""
+
+from .paper import ARMS, ArmRecord, BenchConfig, BenchReport, render_markdown, run_bench
+
+__all__ = ["ARMS", "ArmRecord", "BenchConfig", "BenchReport", "render_markdown", "run_bench"]

@@ -1,0 +1,53 @@
+"""``rksc bench``: parse arguments into a ``BenchConfig``, run, print the table, save JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .paper import ARMS, BenchConfig, render_markdown, run_bench, save_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BenchConfig()
+    parser.add_argument("--workload", choices=["gsm8k", "choice"], default=defaults.workload,
+                        help="gsm8k: 8-shot chain of thought; choice: multiple-choice few-shot")
+    parser.add_argument("--data", default=None, help="JSONL of questions (default: built-in synthetic set)")
+    parser.add_argument("--model", default=None, help="local model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--questions", type=int, default=defaults.questions)
+    parser.add_argument("--branches", type=int, default=defaults.branches)
+    parser.add_argument("--shots", type=int, default=defaults.shots)
+    parser.add_argument("--ensemble", type=int, default=defaults.ensemble,
+                        help="split branches over this many instruction wordings (prompt-ensemble SC)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--out", default="rksc-bench-results", help="folder for bench.json, bench.md and PNG plots")
+    parser.add_argument("--no-plots", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = BenchConfig(
+            workload=args.workload, data=args.data, model=args.model, questions=args.questions,
+            branches=args.branches, shots=args.shots, ensemble=args.ensemble,
+            max_new_tokens=args.max_new_tokens, seed=args.seed,
+            arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        )
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"rksc bench: {exc}") from None
+    report = run_bench(config)
+    print(render_markdown(report))
+    paths = save_report(report, Path(args.out), plots=not args.no_plots)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rksc bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""PNG plots of a bench report: speedup per arm, CGEE skip rate by difficulty, exit-layer histogram."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .paper import BenchReport
+
+
+def plot_report(report: BenchReport, out_dir: Path) -> list[Path]:
+    """Write the plots into ``out_dir``; returns their paths. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+    summary = report.summary()
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    arms = list(summary)
+    for offset, (key, label) in enumerate((("speedup_vs_no_reuse", "vs no reuse"), ("speedup_vs_token_exact", "vs token-exact"))):
+        values = [summary[a][key] or 0.0 for a in arms]
+        ax.bar([i + 0.4 * offset for i in range(len(arms))], values, width=0.4, label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([i + 0.2 for i in range(len(arms))], arms, rotation=20)
+    ax.set_ylabel("speedup (wall time ratio)")
+    ax.set_title(f"{report.config.workload}: {report.config.branches} branches, {report.config.questions} questions")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    by_difficulty = report.skip_rate_by_difficulty()
+    if by_difficulty:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        steps = list(by_difficulty)
+        ax.bar([str(s) for s in steps], [s / n for s, n in by_difficulty.values()])
+        ax.set_xlabel("reference solution steps")
+        ax.set_ylabel("CGEE skip rate")
+        ax.set_ylim(0, 1)
+        fig.tight_layout()
+        paths.append(out_dir / "skip_rate.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    exits = [x for r in report.records if r.arm == "rksc" for x in r.exit_layers]
+    num_layers = next((r.num_layers for r in report.records if r.num_layers), None)
+    if exits and num_layers:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.hist([x + 1 for x in exits], bins=range(1, num_layers + 2))
+        ax.set_xlabel(f"verifier exit layer (of {num_layers})")
+        ax.set_ylabel("verifier passes")
+        fig.tight_layout()
+        paths.append(out_dir / "exit_layers.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
