@@ -1,20 +1,30 @@
 """Benchmark: CGEE's skip and layer exit against always-full verification, on the default model.
 
-For every question the 8 branches are generated once (seeded, so every arm sees the same
-branches), then the verification decision is made under each arm:
+For every question the branches are generated once (seeded, so every arm sees the same branches),
+then the verification decision is made under each timed arm, in an order rotated per question:
 
 * ``full``: every candidate verified at full depth (the reference decision);
-* ``skip``: CGEE level 1 only;
+* ``skip``: CGEE level 1 only, with the default thresholds;
 * ``skip+exit``: level 1 and the level-2 layer exit;
 * ``exit``: level 2 only.
 
-Per arm it prints the skip rate, the mean exit layer (of 30), verification time and its ratio to
-``full``, the end-to-end time ratio (generation + verification) and the CGEE error rate: decisions
-that differ from ``full`` divided by verifier calls of ``full`` (one per question), with its Wilson
-95% interval.
+Per arm it prints the skip rate, the mean exit layer (1-based, of 30), verification time and its
+ratio to ``full``, the end-to-end time ratio (generation + verification) and the CGEE error rate:
+decisions that differ from ``full`` divided by verifier calls of ``full`` (questions with at least
+one candidate answer), with its Wilson 95% interval.
 
-    ./dev python benchmarks/cgee.py                      # built-in synthetic questions
-    ./dev python benchmarks/cgee.py --data gsm8k.jsonl --questions 50
+Every question also gets one untimed full-depth pass that records the logit lens of the Yes/No rows
+at every layer. Those raw per-question records are written to ``--records-out`` and ``calibrate``
+runs on them: it picks level-1 and level-2 thresholds for ``--target-error`` (Wilson 95% upper
+bound), and a two-fold check calibrates on half the questions and counts errors on the other half.
+``--from-records`` re-runs that calibration from a saved file without generating anything.
+
+    ./dev python benchmarks/cgee.py                                   # built-in synthetic GSM8K-style questions
+    ./dev python benchmarks/cgee.py --synthetic choice                # built-in multiple-choice questions
+    ./dev python benchmarks/cgee.py --data gsm8k.jsonl --questions 50 # GSM8K or multiple-choice JSONL
+    ./dev python benchmarks/cgee.py --from-records benchmarks/results/cgee_records.json
+
+With ``--data``, the first ``--shots`` rows are the worked examples and the questions follow them.
 """
 
 from __future__ import annotations
@@ -24,14 +34,30 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import CGEEConfig, wilson_interval
-from rksc_engine.datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
-from rksc_engine.reasoning import BranchAnswer, verify_and_pick
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.cgee import (
+    CalibrationRecord,
+    CGEEConfig,
+    calibrate,
+    lens_entropy,
+    lens_exit_layer,
+    pick_answer,
+    should_skip,
+    wilson_interval,
+)
+from rksc_engine.datasets import (
+    CHOICE_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    few_shot_messages,
+    load_problems_jsonl,
+    synthetic_choice_problems,
+    synthetic_problems,
+)
+from rksc_engine.reasoning import EXTRACTORS, BranchAnswer, verify_and_pick
+from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, LLMJudgeVerifier
 
 ARMS = {
     "full": CGEEConfig.off(),
@@ -39,79 +65,275 @@ ARMS = {
     "skip+exit": CGEEConfig(skip_enabled=True, exit_enabled=True),
     "exit": CGEEConfig(skip_enabled=False, exit_enabled=True),
 }
+CHOICE_JUDGE_PROMPT = "You check answers to multiple-choice questions. Reply with Yes or No only."
+
+
+def load_questions(args: argparse.Namespace) -> tuple[str, list, list]:
+    """``(format, shots, questions)``."""
+    if args.data:
+        kind, rows = load_problems_jsonl(args.data, limit=args.shots + args.questions)
+        return kind, rows[: args.shots], rows[args.shots:]
+    if args.synthetic == "choice":
+        return "choice", synthetic_choice_problems(args.shots, seed=1), synthetic_choice_problems(args.questions, seed=1234)
+    return "gsm8k", synthetic_problems(args.shots, seed=1), synthetic_problems(args.questions, seed=1234)
+
+
+def run_question(qi, problem, shots, kind, engine, judge, recorder, params, args) -> dict:
+    """Generate once, decide under every timed arm, record the lens; one raw record."""
+    extract = EXTRACTORS[kind]
+    system = CHOICE_SYSTEM_PROMPT if kind == "choice" else SYSTEM_PROMPT
+    start = time.perf_counter()
+    completions = engine.generate_branches(few_shot_messages(problem.question, shots, system), args.branches,
+                                           SamplingParams(**{**params.__dict__, "seed": 1000 + qi}))
+    generate_s = time.perf_counter() - start
+    branches = [BranchAnswer(c.text, extract(c.text), c.confidence) for c in completions]
+    names = [a for a in ARMS if a in args.arms] if qi % args.timed_every == 0 else ["full"]
+    # Interleaved per question, in an order rotated each question, so drift and the cache warmth
+    # the first arm leaves behind (the question's prefix prefill) do not always favour one arm.
+    turn = (qi // args.timed_every) % len(names)  # counts timed questions, so the order really rotates
+    rotated = names[turn:] + names[:turn]
+    arms, trace = {}, None
+    for arm in rotated:
+        start = time.perf_counter()
+        # The full arm is the recorder: its pass also keeps the lens of every layer (30 products of
+        # 2 x 576 per candidate, milliseconds against a pass of seconds), which calibration replays.
+        answer, report, summary = verify_and_pick(problem.question, branches, recorder if arm == "full" else judge,
+                                                  ARMS[arm])
+        arms[arm] = {"answer": answer, "skipped": report.skipped, "verify_s": time.perf_counter() - start,
+                     "check_s": report.check_s, "exit_layer": report.exit_layers[0] if report.exit_layers else None,
+                     "time_saved_s": report.time_saved_s, "num_candidates": len(summary.shares)}
+        if arm == "full" and summary.shares:
+            trace = recorder.last_traces[0]
+    record = CalibrationRecord(summary, arms["full"]["answer"], None if trace is None else trace.lens_logits).to_dict()
+    record.update(index=qi, question=problem.question, gold=problem.answer, generate_s=generate_s, arms=arms,
+                  branches=[{"answer": b.answer, "confidence": b.confidence, "text": b.text} for b in branches])
+    if trace is not None:
+        record.update(full_pass_s=trace.pass_s, full_prefill_s=trace.prefill_s)
+    return record
+
+
+def replay(record: CalibrationRecord, config: CGEEConfig) -> tuple[str | None, bool, int | None]:
+    """``(answer, skipped, exit_layer)`` that ``config`` would give on a recorded question."""
+    summary = record.summary
+    if summary.winner is None:
+        return None, False, None
+    if should_skip(summary, config)[0]:
+        return summary.winner, True, None
+    num_layers = record.lens_logits.shape[0]
+    layer = lens_exit_layer(lens_entropy(record.lens_logits), config)
+    if layer == num_layers - 1:
+        return record.full_answer, False, layer
+    return pick_answer(summary, record.lens_logits[layer].softmax(-1)[:, 0].tolist()), False, layer
+
+
+def timing_model(raw: list[dict], arm_configs: dict[str, CGEEConfig] | None = None) -> dict:
+    """Mean measured costs: generation per question, full verification, seconds per layer and per
+    check. ``arm_configs`` are the configs the timed arms ran with (the run's ``meta``)."""
+    arm_configs = arm_configs or ARMS
+    full = [r["arms"]["full"] for r in raw if r["arms"].get("full", {}).get("num_candidates")]
+    num_layers = len(raw[0]["lens_logits"]) if raw and raw[0].get("lens_logits") else 30
+    checks = [(a["check_s"], min(a["exit_layer"], num_layers - 2) - arm_configs[name].min_layer + 1)
+              for r in raw for name, a in r["arms"].items()
+              if arm_configs[name].exit_enabled and a["exit_layer"] is not None and a["check_s"] > 0]
+    per_check_s = sum(c for c, _ in checks) / max(1, sum(k for _, k in checks)) if checks else 0.0
+    full_verify_s = sum(a["verify_s"] for a in full) / max(1, len(full))
+    full_pass_s = [r["full_pass_s"] for r in raw if "full_pass_s" in r]
+    per_layer_s = sum(full_pass_s) / max(1, len(full_pass_s)) / num_layers
+    return {"generate_s": sum(r["generate_s"] for r in raw) / len(raw), "full_verify_s": full_verify_s,
+            "per_layer_s": per_layer_s, "per_check_s": per_check_s, "num_layers": num_layers}
+
+
+def estimate_e2e(raw: list[dict], config: CGEEConfig, cost: dict) -> float:
+    """End-to-end time of ``config`` over always-full verification, from the measured per-question
+    generation and full-verification times and the measured per-layer and per-check costs."""
+    cgee_s = full_s = 0.0
+    for r in raw:
+        full_verify = r["arms"].get("full", {}).get("verify_s", cost["full_verify_s"])
+        full_s += r["generate_s"] + full_verify
+        if not r["shares"]:
+            cgee_s += r["generate_s"] + full_verify
+            continue
+        _, skipped, layer = replay(CalibrationRecord.from_dict(r), config)
+        verify = 0.0
+        if not skipped:
+            layers_saved = cost["num_layers"] - 1 - layer
+            checks = max(0, min(layer, cost["num_layers"] - 2) - config.min_layer + 1) if config.exit_enabled else 0
+            verify = full_verify - layers_saved * cost["per_layer_s"] + checks * cost["per_check_s"]
+        cgee_s += r["generate_s"] + verify
+    return cgee_s / full_s
+
+
+def describe(raw: list[dict], config: CGEEConfig, cost: dict) -> dict:
+    records = [CalibrationRecord.from_dict(r) for r in raw if r["shares"]]
+    outcomes = [replay(rec, config) for rec in records]
+    errors = sum(answer != rec.full_answer for rec, (answer, _, _) in zip(records, outcomes))
+    exits = [layer for _, skipped, layer in outcomes if not skipped and layer is not None]
+    gold = {r["index"]: r["gold"] for r in raw}
+    correct = sum(answer == gold[r["index"]] for r, (answer, _, _) in zip([r for r in raw if r["shares"]], outcomes))
+    n = len(records)
+    return {"calls": n, "skip_rate": sum(s for _, s, _ in outcomes) / max(1, n),
+            "mean_exit_layer_1based": sum(exits) / len(exits) + 1 if exits else None,
+            "errors": errors, "error_rate": errors / max(1, n), "wilson": wilson_interval(errors, n),
+            "accuracy": correct / max(1, len(raw)), "end_to_end_ratio_est": estimate_e2e(raw, config, cost)}
+
+
+def calibration_report(raw: list[dict], target_error: float, arm_configs: dict[str, CGEEConfig]) -> dict:
+    cost = timing_model(raw, arm_configs)
+    check_cost = cost["per_check_s"] / cost["per_layer_s"] if cost["per_layer_s"] else 0.0
+    records = [CalibrationRecord.from_dict(r) for r in raw]
+    chosen = calibrate(records, target_error, check_cost=check_cost)
+    level1 = calibrate([(r.summary, r.full_answer) for r in records], target_error)
+    # Two-fold held-out check: thresholds picked on one half, errors counted on the other.
+    held_errors = held_calls = 0
+    for fold in (0, 1):
+        train = [r for r in raw if r["index"] % 2 == fold]
+        test = [r for r in raw if r["index"] % 2 != fold and r["shares"]]
+        if not [r for r in train if r["shares"]] or not test:
+            continue
+        picked = calibrate([CalibrationRecord.from_dict(r) for r in train], target_error, check_cost=check_cost).config
+        d = describe(test, picked, cost)
+        held_errors, held_calls = held_errors + d["errors"], held_calls + d["calls"]
+    calls = [r for r in records if r.summary.winner is not None]
+    overturned = sum(r.full_answer != r.summary.winner for r in calls)
+    return {"cost": cost, "check_cost_layers": check_cost, "target_error": target_error,
+            "full_overturns_vote": {"count": overturned, "calls": len(calls),
+                                    "wilson": wilson_interval(overturned, len(calls))},
+            "chosen": chosen.config.__dict__, "chosen_on_all": describe(raw, chosen.config, cost),
+            "level1_only": level1.config.__dict__, "level1_only_on_all": describe(raw, level1.config, cost),
+            "current_default_on_all": describe(raw, CGEEConfig(), cost),
+            "held_out": {"errors": held_errors, "calls": held_calls, "wilson": wilson_interval(held_errors, held_calls)}}
+
+
+def print_arms(raw: list[dict], meta: dict) -> list[dict]:
+    """The timed arms, each over the questions it ran on (all of them, or every ``--timed-every``-th)."""
+    rows = []
+    for arm in [a for a in ARMS if any(a in r["arms"] for r in raw)]:
+        timed = [r for r in raw if arm in r["arms"]]
+        calls = [r for r in timed if r["shares"]]
+        n = len(calls)
+        generate_s = sum(r["generate_s"] for r in timed)
+        full_verify = sum(r["arms"]["full"]["verify_s"] for r in timed)
+        results = [r["arms"][arm] for r in timed]
+        verify_s = sum(a["verify_s"] for a in results)
+        differ = sum(r["arms"][arm]["answer"] != r["arms"]["full"]["answer"] for r in calls)
+        exits = [a["exit_layer"] for a in results if a["exit_layer"] is not None]
+        saved = [a["time_saved_s"] for a in results if a["time_saved_s"] is not None]
+        low, high = wilson_interval(differ, n)
+        rows.append({"arm": arm, "skip_rate": sum(a["skipped"] for a in results) / max(1, n),
+                     "mean_exit_layer": sum(exits) / len(exits) + 1 if exits else None,
+                     "verify_s": verify_s, "verify_ratio": verify_s / full_verify,
+                     "end_to_end_ratio": (generate_s + verify_s) / (generate_s + full_verify),
+                     "check_ms": sum(a["check_s"] for a in results) * 1000,
+                     "time_saved_est_s": sum(saved), "measured_saving_s": full_verify - verify_s,
+                     "errors": differ, "calls": n, "error_rate": differ / max(1, n),
+                     "wilson_low": low, "wilson_high": high,
+                     "questions": len(timed),
+                     "accuracy": sum(r["arms"][arm]["answer"] == r["gold"] for r in timed) / len(timed)})
+    print(f"\n{len(raw)} questions ({sum(bool(r['shares']) for r in raw)} with a candidate) x {meta['branches']} "
+          f"branches, {meta['shots']}-shot, {meta['format']} from {meta['source']}, model {meta['model']}; "
+          f"generation {sum(r['generate_s'] for r in raw):.1f}s in all\n")
+    print("| arm (questions timed) | skip rate | mean exit layer (1-based, of 30) | verify vs full | end-to-end vs full | exit-check ms "
+          "| est. saved s (per-call sum) | measured saved s | differs from full | error [Wilson 95%] | accuracy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        exit_layer = f"{r['mean_exit_layer']:.1f}" if r["mean_exit_layer"] else "-"
+        print(f"| {r['arm']} ({r['questions']}) | {r['skip_rate']:.0%} | {exit_layer} | {r['verify_ratio']:.2f}x | "
+              f"{r['end_to_end_ratio']:.3f}x | {r['check_ms']:.0f} | {r['time_saved_est_s']:.2f} | "
+              f"{r['measured_saving_s']:.2f} | {r['errors']}/{r['calls']} | {r['error_rate']:.1%} "
+              f"[{r['wilson_low']:.1%}, {r['wilson_high']:.1%}] | {r['accuracy']:.1%} |")
+    return rows
+
+
+def print_calibration(report: dict) -> None:
+    print(f"\nCalibration at target decision error {report['target_error']:.0%} (Wilson 95% upper bound); "
+          f"exit check = {report['check_cost_layers']:.2f} decoder layers of the pass")
+    print("| thresholds | skip rate | mean exit layer (1-based) | differs from full | error [Wilson 95%] "
+          "| est. end-to-end vs full | accuracy |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, config_key, key in (("chosen (both levels)", "chosen", "chosen_on_all"),
+                                   ("chosen (level 1 only)", "level1_only", "level1_only_on_all"),
+                                   ("library default, CGEEConfig()", None, "current_default_on_all")):
+        d = report[key]
+        c = report[config_key] if config_key else CGEEConfig().__dict__
+        name = (f"{label}: skip={c['skip_enabled']} tau={c['tau_conf']} margin={c['margin']} exit={c['exit_enabled']}"
+                + (f" theta={c['theta']} eps={c['epsilon']} min_layer={c['min_layer']}" if c["exit_enabled"] else ""))
+        exit_layer = f"{d['mean_exit_layer_1based']:.1f}" if d["mean_exit_layer_1based"] else "-"
+        print(f"| {name} | {d['skip_rate']:.1%} | {exit_layer} | {d['errors']}/{d['calls']} | {d['error_rate']:.1%} "
+              f"[{d['wilson'][0]:.1%}, {d['wilson'][1]:.1%}] | {d['end_to_end_ratio_est']:.3f}x | {d['accuracy']:.1%} |")
+    o = report["full_overturns_vote"]
+    print(f"Full verification picked an answer other than the vote winner in {o['count']}/{o['calls']} calls "
+          f"[Wilson 95% {o['wilson'][0]:.1%}, {o['wilson'][1]:.1%}]; a skip errs only on those.")
+    c = report["cost"]
+    print(f"Measured means per question: generation {c['generate_s']:.1f}s, full verification {c['full_verify_s']:.2f}s, "
+          f"{c['per_layer_s'] * 1000:.1f} ms per verifier layer, {c['per_check_s'] * 1000:.2f} ms per exit check")
+    h = report["held_out"]
+    print(f"Two-fold held-out check of the chosen procedure: {h['errors']}/{h['calls']} decisions differ from full "
+          f"[Wilson 95% {h['wilson'][0]:.1%}, {h['wilson'][1]:.1%}]")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--data", default=None, help="GSM8K-format JSONL (default: synthetic)")
+    parser.add_argument("--data", default=None, help="GSM8K or multiple-choice JSONL (default: synthetic)")
+    parser.add_argument("--synthetic", choices=("gsm8k", "choice"), default="gsm8k")
     parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--time-budget-min", type=float, default=None, help="stop starting questions after this")
     parser.add_argument("--branches", type=int, default=8)
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"timed arms, from {list(ARMS)} ('full' always runs)")
+    parser.add_argument("--timed-every", type=int, default=1,
+                        help="run the arms other than 'full' on every k-th question only (default 1: all)")
+    parser.add_argument("--target-error", type=float, default=0.05)
+    parser.add_argument("--records-out", default="benchmarks/results/cgee_records.json")
     parser.add_argument("--json-out", default="benchmarks/results/cgee.json")
+    parser.add_argument("--from-records", default=None, help="calibrate from saved records; generate nothing")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads; 1 is far faster on a CPU shared with other jobs")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.arms = {"full", *[a.strip() for a in args.arms.split(",") if a.strip()]}
+    unknown = args.arms - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {list(ARMS)}")
 
-    engine = RKSCEngine.from_pretrained(args.model)
-    questions = (load_gsm8k_jsonl(args.data, limit=args.questions) if args.data
-                 else synthetic_problems(args.questions, seed=1234))
-    shots = synthetic_problems(args.shots, seed=1)
-    judge = LLMJudgeVerifier(engine)
-    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_new_tokens, stop=("<|im_end|>",))
-    totals = {arm: {"verify_s": 0.0, "skips": 0, "exit_layers": [], "differ": 0, "correct": 0, "check_s": 0.0}
-              for arm in ARMS}
-    generate_s = 0.0
-    for qi, problem in enumerate(tqdm(questions, desc="questions")):
-        start = time.perf_counter()
-        completions = engine.generate_branches(few_shot_messages(problem.question, shots), args.branches,
-                                               SamplingParams(**{**params.__dict__, "seed": 1000 + qi}))
-        generate_s += time.perf_counter() - start
-        branches = [BranchAnswer(c.text, extract_gsm8k_answer(c.text), c.confidence) for c in completions]
-        decisions = {}
-        # Interleaved per question, in an order rotated each question, so drift and the cache
-        # warmth the first arm leaves behind do not always favour the same arm.
-        names = list(ARMS)
-        rotated = names[qi % len(names):] + names[: qi % len(names)]
-        for arm, cgee in ((name, ARMS[name]) for name in rotated):
-            start = time.perf_counter()
-            answer, report, _ = verify_and_pick(problem.question, branches, judge, cgee)
-            t = totals[arm]
-            t["verify_s"] += time.perf_counter() - start
-            t["skips"] += report.skipped
-            t["exit_layers"] += [layer for layer in report.exit_layers if layer is not None]
-            t["check_s"] += report.check_s
-            t["correct"] += answer == problem.answer
-            decisions[arm] = answer
-        for arm in ARMS:
-            totals[arm]["differ"] += decisions[arm] != decisions["full"]
+    if args.from_records:
+        saved = json.loads(Path(args.from_records).read_text())
+        meta, raw = saved["meta"], saved["records"]
+    else:
+        engine = RKSCEngine.from_pretrained(args.model)
+        kind, shots, questions = load_questions(args)
+        judge_prompt = CHOICE_JUDGE_PROMPT if kind == "choice" else JUDGE_SYSTEM_PROMPT
+        judge = LLMJudgeVerifier(engine, system_prompt=judge_prompt)
+        recorder = LLMJudgeVerifier(engine, system_prompt=judge_prompt, record_lens=True)
+        params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_new_tokens, stop=("<|im_end|>",))
+        meta = {"model": engine.model_name, "format": kind, "source": args.data or f"synthetic {kind}",
+                "branches": args.branches, "shots": args.shots, "max_new_tokens": args.max_new_tokens,
+                "torch_threads": torch.get_num_threads(), "arms": sorted(args.arms), "timed_every": args.timed_every,
+                "arm_configs": {name: config.__dict__ for name, config in ARMS.items()}}
+        out = Path(args.records_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        raw, started = [], time.perf_counter()
+        for qi, problem in enumerate(tqdm(questions, desc="questions")):
+            if args.time_budget_min is not None and time.perf_counter() - started > args.time_budget_min * 60:
+                print(f"time budget of {args.time_budget_min} min reached after {qi} questions")
+                break
+            raw.append(run_question(qi, problem, shots, kind, engine, judge, recorder, params, args))
+            if qi % 5 == 4:  # saved as it goes, so an interrupted run still leaves its records
+                out.write_text(json.dumps({"meta": meta, "records": raw}))
+        meta["wall_s"] = time.perf_counter() - started
+        out.write_text(json.dumps({"meta": meta, "records": raw}))
+        print(f"wrote {len(raw)} raw records to {out}")
 
-    n = len(questions)
-    full_verify = totals["full"]["verify_s"]
-    rows = []
-    for arm, t in totals.items():
-        low, high = wilson_interval(t["differ"], n)
-        exits = t["exit_layers"]
-        rows.append({
-            "arm": arm, "skip_rate": t["skips"] / n,
-            "mean_exit_layer": (sum(exits) / len(exits) + 1) if exits else None,
-            "verify_s": t["verify_s"], "verify_ratio": t["verify_s"] / full_verify,
-            "end_to_end_ratio": (generate_s + t["verify_s"]) / (generate_s + full_verify),
-            "check_ms": t["check_s"] * 1000, "errors": t["differ"], "error_rate": t["differ"] / n,
-            "wilson_low": low, "wilson_high": high, "accuracy": t["correct"] / n,
-        })
-    print(f"\n{n} questions x {args.branches} branches, {args.shots}-shot, model {engine.model_name}; "
-          f"generation {generate_s:.1f}s in all (shared by every arm)\n")
-    print("| arm | skip rate | mean exit layer (of 30) | verify s | verify vs full | end-to-end vs full | "
-          "exit-check ms | decisions differing from full | error rate [Wilson 95%] | accuracy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        exit_layer = f"{r['mean_exit_layer']:.1f}" if r["mean_exit_layer"] else "-"
-        print(f"| {r['arm']} | {r['skip_rate']:.0%} | {exit_layer} | {r['verify_s']:.2f} | {r['verify_ratio']:.2f}x | "
-              f"{r['end_to_end_ratio']:.3f}x | {r['check_ms']:.1f} | {r['errors']}/{n} | "
-              f"{r['error_rate']:.1%} [{r['wilson_low']:.1%}, {r['wilson_high']:.1%}] | {r['accuracy']:.0%} |")
+    rows = print_arms(raw, meta)
+    # Older record files lack the arm configs; they ran with the defaults of the time (see the note).
+    arm_configs = {name: CGEEConfig(**c) for name, c in meta.get("arm_configs", {}).items()} or ARMS
+    report = calibration_report(raw, args.target_error, arm_configs)
+    print_calibration(report)
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"questions": n, "branches": args.branches, "generate_s": generate_s, "arms": rows}, indent=2))
+    out.write_text(json.dumps({"meta": meta, "arms": rows, "calibration": report}, indent=2))
     print(f"\nwrote {out}")
 
 

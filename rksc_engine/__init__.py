@@ -3,23 +3,33 @@
 The engine knows nothing of LangChain or LlamaIndex; ``rksc_integrations`` adapts it to them.
 """
 
-from .config import EngineConfig, PrefixCacheConfig, SamplingParams
+from .config import ASKSConfig, CGEEConfig, EngineConfig, PrefixCacheConfig, RSBCMConfig, SamplingParams
 from .engine import RKSCEngine
 from .loading import DefaultModelNotInstalled
-from .prefix_cache import LRUPolicy, PrefixMatch, RadixPrefixCache
-from .types import Completion, EngineStats, StreamChunk
+from .memory import ForwardOutOfMemoryError
+from .prefix_cache import LRUPolicy, OmegaPolicy, PrefixMatch, RadixPrefixCache
+from .tree_search import SearchNode, SearchResult
+from .types import ASKSDecision, Completion, EngineStats, StreamChunk
 
 __all__ = [
+    "ASKSConfig",
+    "ASKSDecision",
+    "CGEEConfig",
     "Completion",
     "DefaultModelNotInstalled",
     "EngineConfig",
     "EngineStats",
+    "ForwardOutOfMemoryError",
     "LRUPolicy",
+    "OmegaPolicy",
     "PrefixCacheConfig",
     "PrefixMatch",
     "RKSCEngine",
+    "RSBCMConfig",
     "RadixPrefixCache",
     "SamplingParams",
+    "SearchNode",
+    "SearchResult",
     "StreamChunk",
 ]
 __version__ = "0.1.0"

@@ -12,65 +12,32 @@ Level 2 (layer exit): during a verifier pass, a forward hook on each decoder lay
 label tokens' rows of the LM head (a 2 x hidden product for Yes/No instead of the 49,152-row
 vocabulary), and stops the pass once the label entropy is below ``theta`` and moved less than
 ``epsilon`` since the previous layer. The label logits of that layer are the score.
+
+Calibration (``calibrate``): on held-out questions, each recorded with its vote, the decision of
+full-depth verification and the logit lens of every layer (``CalibrationRecord``), both levels'
+thresholds are chosen so that the decision error against full verification stays within a target
+(by default its Wilson 95% upper bound), saving the most verifier work among those that do, as CALM
+calibrates its exits. The rules are replayed offline (``lens_exit_layer``, ``pick_answer``), so
+calibration runs no model and can be repeated on saved records.
+
+``CGEEConfig`` lives in ``rksc_engine.config`` beside the other settings (it is also
+``EngineConfig.cgee``) and is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .config import _check_type
+from .config import CGEEConfig
 
-
-@dataclass(frozen=True)
-class CGEEConfig:
-    """Thresholds of both CGEE levels.
-
-    Attributes:
-        skip_enabled: Level 1, skip verification when the vote is confident. Default True.
-        tau_conf: Smallest confidence-weighted winner share that may skip, in [0, 1]. Default 0.75.
-        margin: Smallest lead over the runner-up that may skip, in [0, 1]. Default 0.5.
-        exit_enabled: Level 2, stop verifier passes early on low label entropy. Default False until
-            ``benchmarks/cgee.py`` has measured its decision error: on the default model the logit lens
-            of middle layers is poorly calibrated (Yes/No probabilities near 0.99 at layer 20 where the
-            full pass gives 0.35), the brittleness SimExit reports.
-        theta: Label-entropy threshold in nats, > 0 (max for 2 labels is ln 2 = 0.693). Default 0.3.
-        epsilon: Largest entropy change between consecutive layers that counts as stable, > 0. Default 0.05.
-        min_layer: First layer (0-based) allowed to exit, >= 0. Default 8.
-    """
-
-    skip_enabled: bool = True
-    tau_conf: float = 0.75
-    margin: float = 0.5
-    exit_enabled: bool = False
-    theta: float = 0.3
-    epsilon: float = 0.05
-    min_layer: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("skip_enabled", "exit_enabled"):
-            _check_type(f"cgee.{name}", getattr(self, name), bool)
-        for name in ("tau_conf", "margin"):
-            value = getattr(self, name)
-            _check_type(f"cgee.{name}", value, (int, float))
-            if not 0 <= value <= 1:
-                raise ValueError(f"cgee.{name} must be in [0, 1], got {value}")
-        for name in ("theta", "epsilon"):
-            value = getattr(self, name)
-            _check_type(f"cgee.{name}", value, (int, float))
-            if not value > 0:
-                raise ValueError(f"cgee.{name} must be > 0, got {value}")
-        _check_type("cgee.min_layer", self.min_layer, int)
-        if self.min_layer < 0:
-            raise ValueError(f"cgee.min_layer must be >= 0, got {self.min_layer}")
-
-    @classmethod
-    def off(cls) -> CGEEConfig:
-        """Both levels disabled: every candidate is verified at full depth."""
-        return cls(skip_enabled=False, exit_enabled=False)
+__all__ = [
+    "CGEEConfig", "Calibration", "CalibrationRecord", "VoteSummary", "calibrate", "label_entropy",
+    "lens_entropy", "lens_exit_layer", "pick_answer", "should_skip", "summarise_votes", "wilson_interval",
+]
 
 
 @dataclass(frozen=True)
@@ -129,6 +96,44 @@ def label_entropy(label_logits: torch.Tensor) -> float:
     return float(-(logp.exp() * logp).sum())
 
 
+def pick_answer(summary: VoteSummary, scores: Sequence[float]) -> str | None:
+    """The reasoner's picking rule once verification ran.
+
+    ``scores[i]`` is the verifier's score of ``summary.shares[i]``'s answer. The candidate maximising
+    ``share x score`` wins; ties go to the vote winner, then to the earlier candidate.
+    """
+    if not summary.shares:
+        return None
+    if len(scores) != len(summary.shares):
+        raise ValueError(f"got {len(scores)} scores for {len(summary.shares)} candidates")
+    best = max(range(len(scores)), key=lambda i: (summary.shares[i][1] * scores[i], i == 0))
+    return summary.shares[best][0]
+
+
+def lens_exit_layer(entropy: torch.Tensor, config: CGEEConfig) -> int:
+    """The layer-2 exit rule applied offline to recorded label entropies ``(num_layers, B)``.
+
+    Layers ``min_layer`` to ``num_layers - 2`` are checked; the first checked layer only sets the
+    baseline. The pass exits at the first checked layer where every row's entropy is ``< theta`` and
+    moved ``< epsilon`` since the previous layer; otherwise it runs to ``num_layers - 1``. This is the
+    rule the verifier's hooks apply online (a test keeps the two in step).
+    """
+    num_layers = entropy.shape[0]
+    if not config.exit_enabled:
+        return num_layers - 1
+    for layer in range(config.min_layer + 1, num_layers - 1):
+        stable = bool(((entropy[layer] - entropy[layer - 1]).abs() < config.epsilon).all())
+        if stable and bool((entropy[layer] < config.theta).all()):
+            return layer
+    return num_layers - 1
+
+
+def lens_entropy(lens_logits: torch.Tensor) -> torch.Tensor:
+    """Label entropy in nats ``(..., B)`` of label logits ``(..., B, 2)``, computed as the hooks do."""
+    logp = lens_logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def wilson_interval(errors: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a binomial rate (95% by default)."""
     if trials == 0:
@@ -141,53 +146,196 @@ def wilson_interval(errors: int, trials: int, z: float = 1.96) -> tuple[float, f
 
 
 @dataclass(frozen=True)
+class CalibrationRecord:
+    """One held-out question, as ``calibrate`` needs it.
+
+    Attributes:
+        summary: The vote's confidence-weighted shares.
+        full_answer: The answer that full-depth verification picked (the reference decision).
+        lens_logits: Optional ``(num_layers, num_candidates, 2)`` label logits of the logit lens at
+            each decoder layer for the candidates in ``summary.shares`` order, from one full-depth
+            pass of ``LLMJudgeVerifier(record_lens=True)``. Needed to calibrate level 2.
+    """
+
+    summary: VoteSummary
+    full_answer: str | None
+    lens_logits: torch.Tensor | None = None
+
+    def to_dict(self) -> dict:
+        return {"shares": [list(s) for s in self.summary.shares], "full_answer": self.full_answer,
+                "lens_logits": None if self.lens_logits is None else self.lens_logits.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CalibrationRecord:
+        lens = data.get("lens_logits")
+        return cls(VoteSummary(tuple((str(a), float(p)) for a, p in data["shares"])), data["full_answer"],
+                   None if lens is None else torch.tensor(lens, dtype=torch.float32))
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """The thresholds ``calibrate`` picked and what they did on the held-out questions."""
+    """The thresholds ``calibrate`` picked and what they did on the held-out questions.
+
+    Attributes:
+        config: The chosen thresholds.
+        skip_rate: Fraction of questions level 1 skipped.
+        error_rate: Fraction of questions whose decision differs from full verification.
+        error_upper: The bound that was held to ``target_error`` (Wilson 95% upper, or the observed rate).
+        num_questions: Questions with at least one candidate (the verifier calls of full verification).
+        work_saved: Mean fraction of a full verifier pass avoided per question, net of the exit checks
+            (1 for a skip; ``(num_layers - 1 - exit_layer) / num_layers`` for an exit).
+        mean_exit_layer: Mean 0-based exit layer over the verified questions, or None without level 2.
+    """
 
     config: CGEEConfig
     skip_rate: float
     error_rate: float
     error_upper: float
     num_questions: int
+    work_saved: float = 0.0
+    mean_exit_layer: float | None = None
+
+
+THETA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+EPSILON_GRID = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 
 def calibrate(
-    records: Sequence[tuple[VoteSummary, str | None]],
+    records: Sequence[CalibrationRecord | tuple[VoteSummary, str | None]],
     target_error: float = 0.01,
     *,
     base: CGEEConfig | None = None,
     tau_grid: Sequence[float] = tuple(i / 20 for i in range(8, 21)),
     margin_grid: Sequence[float] = tuple(i / 10 for i in range(0, 11)),
+    theta_grid: Sequence[float] = THETA_GRID,
+    epsilon_grid: Sequence[float] = EPSILON_GRID,
+    min_layer_grid: Sequence[int] | None = None,
+    check_cost: float = 0.0,
     bound: str = "wilson",
 ) -> Calibration:
-    """Pick ``tau_conf`` and ``margin`` on held-out questions to meet a target decision error.
+    """Pick thresholds on held-out questions to meet a target decision error, the way CALM does.
 
-    Each record is a question's vote summary and the answer that full verification chose for it.
-    A skip decides the vote winner, so it errs when that differs from the full decision. Among the
-    grid points whose error (the Wilson 95% upper bound by default, as CALM bounds its exit risk;
-    ``bound="empirical"`` uses the observed rate) is at most ``target_error``, the one that skips most
-    wins (ties: the stricter thresholds). If none qualifies, skipping is turned off.
+    A decision errs when it differs from the one full-depth verification made for that question.
+    Level 1 (``tau_conf``, ``margin``, or skipping off) is searched on its grid; when every record
+    carries ``lens_logits``, level 2 (``theta``, ``epsilon``, ``min_layer``, or exit off) is searched
+    jointly with it by replaying the exit rule (``lens_exit_layer``) and the picking rule
+    (``pick_answer``) on the recorded logit lens, so no model runs here. Without lens data level 2
+    is turned off in the result, since its error could not be bounded.
+
+    Among the combinations whose error bound (the Wilson 95% upper bound of errors over questions by
+    default, as CALM bounds its exit risk; ``bound="empirical"`` uses the observed rate) is at most
+    ``target_error``, the one that saves the most verifier work wins; ties go to the stricter
+    thresholds, and to level 2 off. Choosing the best of many combinations on the same questions is
+    optimistic: check the result on questions it was not calibrated on (``benchmarks/cgee.py`` does).
+
+    Args:
+        records: ``CalibrationRecord``s, or ``(vote summary, full answer)`` pairs for level 1 only.
+            Questions without any candidate are never verified and are left out.
+        target_error: Largest acceptable decision error, in (0, 1).
+        base: Settings not searched are taken from here. Default ``CGEEConfig()``.
+        tau_grid / margin_grid: Level-1 candidates.
+        theta_grid / epsilon_grid / min_layer_grid: Level-2 candidates; ``min_layer_grid`` defaults to
+            every other layer.
+        check_cost: Cost of one exit check in units of one decoder layer of the pass, >= 0; it is
+            charged against the layers an exit saves.
+        bound: ``"wilson"`` or ``"empirical"``.
+
+    Example:
+        >>> result = calibrate(records, target_error=0.05)
+        >>> engine_config = EngineConfig(cgee=result.config)
     """
     if not 0 < target_error < 1:
         raise ValueError(f"target_error must be in (0, 1), got {target_error}")
     if bound not in ("wilson", "empirical"):
         raise ValueError(f"bound must be 'wilson' or 'empirical', got {bound!r}")
-    if not records:
-        raise ValueError("calibrate needs at least one record")
+    if not check_cost >= 0:
+        raise ValueError(f"check_cost must be >= 0, got {check_cost}")
+    recs = [r if isinstance(r, CalibrationRecord) else CalibrationRecord(*r) for r in records]
+    recs = [r for r in recs if r.summary.winner is not None]
+    if not recs:
+        raise ValueError("calibrate needs at least one record with a candidate answer")
     base = base or CGEEConfig()
-    n = len(records)
-    best: Calibration | None = None
-    for tau in tau_grid:
-        for margin in margin_grid:
-            config = CGEEConfig(**{**base.__dict__, "skip_enabled": True, "tau_conf": tau, "margin": margin})
-            skipped = [(s, full) for s, full in records if should_skip(s, config)[0]]
-            errors = sum(s.winner != full for s, full in skipped)
-            upper = wilson_interval(errors, n)[1] if bound == "wilson" else errors / n
+    n = len(recs)
+
+    # Level 1: which questions each grid point skips, and whether the winner then differs from full.
+    skip_configs = [replace(base, skip_enabled=False)] + [
+        replace(base, skip_enabled=True, tau_conf=t, margin=m) for t in tau_grid for m in margin_grid]
+    skips = torch.tensor([[should_skip(r.summary, c)[0] for r in recs] for c in skip_configs])  # (S, N)
+    winner_wrong = torch.tensor([float(r.summary.winner != r.full_answer) for r in recs])  # (N,)
+
+    # Level 2: per exit option, each question's decision error and work saved when verified.
+    exit_options = _exit_options(recs, base, theta_grid, epsilon_grid, min_layer_grid, check_cost)
+    exit_configs = [c for c, _, _, _ in exit_options]
+    exit_wrong = torch.stack([w for _, w, _, _ in exit_options])  # (E, N)
+    exit_saved = torch.stack([s for _, _, s, _ in exit_options])  # (E, N)
+
+    not_skipped = (~skips).float()
+    errors = (skips.float() @ winner_wrong)[:, None] + not_skipped @ exit_wrong.T  # (S, E)
+    saved = skips.float().sum(1)[:, None] + not_skipped @ exit_saved.T  # (S, E)
+    best: tuple | None = None
+    for si, skip_config in enumerate(skip_configs):
+        for ei, exit_config in enumerate(exit_configs):
+            num_errors = int(errors[si, ei].round())
+            upper = wilson_interval(num_errors, n)[1] if bound == "wilson" else num_errors / n
             if upper > target_error:
                 continue
-            candidate = Calibration(config, len(skipped) / n, errors / n, upper, n)
-            if best is None or (candidate.skip_rate, tau, margin) > (best.skip_rate, best.config.tau_conf, best.config.margin):
-                best = candidate
+            key = (round(float(saved[si, ei]) / n, 9), skip_config.tau_conf if skip_config.skip_enabled else 2.0,
+                   skip_config.margin, not exit_config.exit_enabled, exit_config.min_layer,
+                   -exit_config.theta, -exit_config.epsilon)
+            if best is None or key > best[0]:
+                best = (key, si, ei, num_errors, upper)
     if best is None:
-        return Calibration(CGEEConfig(**{**base.__dict__, "skip_enabled": False}), 0.0, 0.0, 0.0, n)
-    return best
+        return Calibration(replace(base, skip_enabled=False, exit_enabled=False), 0.0, 0.0, 0.0, n)
+    _, si, ei, num_errors, upper = best
+    exit_config = exit_configs[ei]
+    config = replace(skip_configs[si], exit_enabled=exit_config.exit_enabled, theta=exit_config.theta,
+                     epsilon=exit_config.epsilon, min_layer=exit_config.min_layer)
+    verified = ~skips[si]
+    mean_exit = None
+    if config.exit_enabled and bool(verified.any()):
+        mean_exit = float(exit_options[ei][3][verified].float().mean())
+    return Calibration(config, float(skips[si].float().mean()), num_errors / n, upper, n,
+                       float(saved[si, ei]) / n, mean_exit)
+
+
+def _exit_options(recs: list[CalibrationRecord], base: CGEEConfig, theta_grid: Sequence[float],
+                  epsilon_grid: Sequence[float], min_layer_grid: Sequence[int] | None, check_cost: float
+                  ) -> list[tuple[CGEEConfig, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(config, wrong (N,), saved (N,), exit_layer (N,))`` for level 2 off and each grid point."""
+    n = len(recs)
+    off = replace(base, exit_enabled=False)
+    lens = [r.lens_logits for r in recs]
+    if any(x is None for x in lens):
+        return [(off, torch.zeros(n), torch.zeros(n), torch.full((n,), -1))]
+    num_layers = lens[0].shape[0]
+    for r, x in zip(recs, lens):
+        if x.shape != (num_layers, len(r.summary.shares), 2):
+            raise ValueError(f"lens_logits must be (num_layers={num_layers}, num_candidates="
+                             f"{len(r.summary.shares)}, 2), got {tuple(x.shape)}")
+    options = [(off, torch.zeros(n), torch.zeros(n), torch.full((n,), num_layers - 1))]
+    if num_layers < 3:
+        return options
+    entropy = [lens_entropy(x) for x in lens]  # each (L, B)
+    # The worst row decides for the batch: max entropy and max move over candidates, per layer.
+    top = torch.stack([e.max(-1).values for e in entropy])  # (N, L)
+    moved = torch.stack([torch.cat([torch.full((1,), math.inf), (e[1:] - e[:-1]).abs().max(-1).values])
+                         for e in entropy])  # (N, L)
+    # Decision error if the pass exits at each layer; the last layer is the full pass itself.
+    wrong_at = torch.tensor([[float(pick_answer(r.summary, x[layer].float().softmax(-1)[:, 0].tolist())
+                                    != r.full_answer) if layer < num_layers - 1 else 0.0
+                              for layer in range(num_layers)] for r, x in zip(recs, lens)])  # (N, L)
+    layer_index = torch.arange(num_layers)
+    rows = torch.arange(n)
+    grid = range(0, num_layers - 2, 2) if min_layer_grid is None else min_layer_grid
+    for theta in theta_grid:
+        for epsilon in epsilon_grid:
+            passes = (moved < epsilon) & (top < theta)  # (N, L)
+            for min_layer in grid:
+                config = replace(base, exit_enabled=True, theta=theta, epsilon=epsilon, min_layer=min_layer)
+                allowed = (layer_index > min_layer) & (layer_index < num_layers - 1)
+                hit = passes & allowed
+                exit_layer = torch.where(hit.any(1), hit.int().argmax(1), torch.tensor(num_layers - 1))  # (N,)
+                checks = (torch.minimum(exit_layer, torch.tensor(num_layers - 2)) - min_layer + 1).clamp(min=0)
+                saved = (num_layers - 1 - exit_layer - check_cost * checks) / num_layers
+                options.append((config, wrong_at[rows, exit_layer], saved.float(), exit_layer))
+    return options

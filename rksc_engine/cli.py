@@ -23,7 +23,7 @@ def _ask(args: argparse.Namespace) -> int:
     messages = few_shot_messages(args.question, shots)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop=("<|im_end|>",))
-    cgee = CGEEConfig.off() if args.no_cgee else CGEEConfig()
+    cgee = CGEEConfig.off() if args.no_cgee else None  # None: the engine's EngineConfig.cgee defaults
     t0 = time.perf_counter()
     result = engine.reason(args.question, n=args.branches, params=params, prompt=messages, cgee=cgee)
     gen_s = time.perf_counter() - t0
@@ -71,7 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--no-cgee", action="store_true", help="always run the verifier at full depth")
     ask.add_argument("--json", action="store_true", help="print the result as JSON")
     ask.set_defaults(func=_ask)
+    bench = sub.add_parser("bench", help="measure rksc against no reuse, token-exact caching and langchain-huggingface")
+    _add_bench_arguments(bench)
     return parser
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    # The bench front-end drives langchain-huggingface as a baseline, so it lives outside the engine
+    # package and is imported only when asked for.
+    from rksc_bench.cli import add_arguments, run
+
+    add_arguments(parser)
+    parser.set_defaults(func=run)
 
 
 def main(argv: list[str] | None = None) -> int:

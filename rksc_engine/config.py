@@ -82,24 +82,173 @@ class PrefixCacheConfig:
     """The radix prefix cache shared across calls.
 
     Attributes:
-        enabled: Reuse KV of previously computed token prefixes. Default True.
-        budget_mb: Byte budget of cached KV, in MiB (> 0). Unlocked leaves are evicted least recently
-            used first when an insert would pass it. Default 1024 (about 22k tokens on the default model
-            in fp32).
+        enabled: Reuse KV of previously computed token prefixes. Default True. Its memory budget and
+            eviction policy are ``EngineConfig.rsbcm``.
     """
 
     enabled: bool = True
-    budget_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         _check_type("prefix_cache.enabled", self.enabled, bool)
-        _check_type("prefix_cache.budget_mb", self.budget_mb, (int, float))
-        if not self.budget_mb > 0:
-            raise ValueError(f"prefix_cache.budget_mb must be > 0, got {self.budget_mb}")
+
+
+@dataclass(frozen=True)
+class RSBCMConfig:
+    """RSBCM: the prefix cache's memory budget, block size, eviction policy and out-of-memory recovery.
+
+    Attributes:
+        cache_budget_mb: Most KV the prefix cache keeps, in MiB (> 0). Default 1024 (about 22k
+            tokens on the default model in fp32). The one source of truth for the cache budget.
+        block_size: Tokens per KV block (>= 1), the unit of eviction. Default 16.
+        policy: Eviction order of unlocked leaf blocks: ``"omega"`` (default; increasing
+            ``branch_score / (depth + 1)``, ties least recently used) or ``"lru"``.
+        oom_max_attempts: Tries of a forward pass that runs out of memory (>= 1), evicting and
+            shrinking the cache budget between tries. Default 3.
+        oom_budget_shrink: Factor in (0, 1) applied to the cache budget after each out-of-memory
+            error. Default 0.5.
+        oom_backoff_s: First wait between tries in seconds (>= 0), doubling each retry. Default 0.05.
+    """
+
+    cache_budget_mb: float = 1024.0
+    block_size: int = 16
+    policy: str = "omega"
+    oom_max_attempts: int = 3
+    oom_budget_shrink: float = 0.5
+    oom_backoff_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        _check_type("rsbcm.cache_budget_mb", self.cache_budget_mb, (int, float))
+        if not self.cache_budget_mb > 0 or self.cache_budget_mb == float("inf"):
+            raise ValueError(f"rsbcm.cache_budget_mb must be > 0 and finite, got {self.cache_budget_mb}")
+        if self.budget_bytes < 1:
+            raise ValueError(f"rsbcm.cache_budget_mb must be at least one byte, got {self.cache_budget_mb}")
+        _check_type("rsbcm.block_size", self.block_size, int)
+        if self.block_size < 1:
+            raise ValueError(f"rsbcm.block_size must be >= 1, got {self.block_size}")
+        from .prefix_cache import EVICTION_POLICIES  # lazy: config stays importable without torch work
+
+        _check_type("rsbcm.policy", self.policy, str)
+        if self.policy not in EVICTION_POLICIES:
+            raise ValueError(f"rsbcm.policy must be one of {sorted(EVICTION_POLICIES)}, got {self.policy!r}")
+        _check_type("rsbcm.oom_max_attempts", self.oom_max_attempts, int)
+        if self.oom_max_attempts < 1:
+            raise ValueError(f"rsbcm.oom_max_attempts must be >= 1, got {self.oom_max_attempts}")
+        _check_type("rsbcm.oom_budget_shrink", self.oom_budget_shrink, (int, float))
+        if not 0 < self.oom_budget_shrink < 1:
+            raise ValueError(f"rsbcm.oom_budget_shrink must be in (0, 1), got {self.oom_budget_shrink}")
+        _check_type("rsbcm.oom_backoff_s", self.oom_backoff_s, (int, float))
+        if not 0 <= self.oom_backoff_s <= 60:
+            raise ValueError(f"rsbcm.oom_backoff_s must be in [0, 60], got {self.oom_backoff_s}")
 
     @property
     def budget_bytes(self) -> int:
-        return int(self.budget_mb * 1024 * 1024)
+        return int(self.cache_budget_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class CGEEConfig:
+    """Thresholds of both CGEE levels (see ``rksc_engine.cgee`` for the rules they feed).
+
+    The defaults come from ``benchmarks/cgee.py`` on 56 GSM8K questions with the default model
+    (SmolLM2-135M-Instruct, 8 branches), where neither level can save much: no vote's winner share
+    passed 0.51, so level 1 is left at the one rule that is exact by construction (skip a unanimous
+    vote, whose single candidate verification could not overturn); and the logit lens reads
+    P(Yes) ~ 1 for every candidate wherever its entropy is low, so level 2 is off. Use
+    ``rksc_engine.cgee.calibrate`` on your own questions to loosen them.
+
+    Attributes:
+        skip_enabled: Level 1, skip verification when the vote is confident. Default True.
+        tau_conf: Smallest confidence-weighted winner share that may skip, in [0, 1]. Default 1.0
+            (every answering branch agrees).
+        margin: Smallest lead over the runner-up that may skip, in [0, 1]. Default 1.0.
+        exit_enabled: Level 2, stop verifier passes early on low label entropy. Default False.
+        theta: Label-entropy threshold in nats, > 0 (max for 2 labels is ln 2 = 0.693). Default 0.4.
+        epsilon: Largest entropy change between consecutive layers that counts as stable, > 0.
+            Default 0.05.
+        min_layer: First layer (0-based) whose entropy is checked, >= 0; it sets the baseline, so the
+            earliest exit is ``min_layer + 1``. Default 24 (of the default model's 30 layers; the
+            level-2 values ``calibrate`` chose for a 10% target on the GSM8K run, saving ~2% of the
+            verifier's layers there).
+    """
+
+    skip_enabled: bool = True
+    tau_conf: float = 1.0
+    margin: float = 1.0
+    exit_enabled: bool = False
+    theta: float = 0.4
+    epsilon: float = 0.05
+    min_layer: int = 24
+
+    def __post_init__(self) -> None:
+        for name in ("skip_enabled", "exit_enabled"):
+            _check_type(f"cgee.{name}", getattr(self, name), bool)
+        for name in ("tau_conf", "margin"):
+            value = getattr(self, name)
+            _check_type(f"cgee.{name}", value, (int, float))
+            if not 0 <= value <= 1:
+                raise ValueError(f"cgee.{name} must be in [0, 1], got {value}")
+        for name in ("theta", "epsilon"):
+            value = getattr(self, name)
+            _check_type(f"cgee.{name}", value, (int, float))
+            if not value > 0:
+                raise ValueError(f"cgee.{name} must be > 0, got {value}")
+        _check_type("cgee.min_layer", self.min_layer, int)
+        if self.min_layer < 0:
+            raise ValueError(f"cgee.min_layer must be >= 0, got {self.min_layer}")
+
+    @classmethod
+    def off(cls) -> CGEEConfig:
+        """Both levels disabled: every candidate is verified at full depth."""
+        return cls(skip_enabled=False, exit_enabled=False)
+
+
+@dataclass(frozen=True)
+class ASKSConfig:
+    """ASKS: reuse cached KV across prompts that differ only in a short span of wording
+    (``rksc_engine.asks``). Approximate when it reuses, so it is off by default.
+
+    Attributes:
+        enabled: Try ASKS when a prompt's token-exact cached prefix ends early. Default False.
+        tau: Reuse when the spans' layer-weighted hidden-state similarity ``sigma >= tau``, in [0, 1];
+            1 never reuses (token-exact caching, token for token), 0 reuses whenever a realignment
+            is found. Default 0.99, deliberately conservative: on ``benchmarks/asks.py`` with GSM8K
+            shots no threshold that lets paraphrased instructions reuse (they score 0.96-0.987 on
+            the default model) kept final answers at 99% agreement with full recompute, so at the
+            default reuse fires only for spans whose hidden states nearly coincide (issue 3 note).
+        alpha: Depth emphasis of the layer weights ``exp(alpha * l / L)``, >= 0. Default 1.0.
+        max_span_tokens: Longest differing span, on either side, that ASKS compares, >= 1. Default 64.
+        min_reuse_tokens: Shortest realigned remainder worth reusing, >= 1. Default 32.
+        max_candidates: Cached sequences examined per request, >= 1. Default 8.
+        recompute_fraction: Share of the reused remainder, nearest the changed span, that is
+            recomputed exactly instead of reused, in [0, 1]. Default 0.
+    """
+
+    enabled: bool = False
+    tau: float = 0.99
+    alpha: float = 1.0
+    max_span_tokens: int = 64
+    min_reuse_tokens: int = 32
+    max_candidates: int = 8
+    recompute_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_type("asks.enabled", self.enabled, bool)
+        for name in ("tau", "recompute_fraction"):
+            value = getattr(self, name)
+            _check_type(f"asks.{name}", value, (int, float))
+            if not 0 <= value <= 1:
+                raise ValueError(f"asks.{name} must be in [0, 1], got {value}")
+        _check_type("asks.alpha", self.alpha, (int, float))
+        if not self.alpha >= 0 or self.alpha == float("inf"):
+            raise ValueError(f"asks.alpha must be finite and >= 0, got {self.alpha}")
+        for name in ("max_span_tokens", "min_reuse_tokens", "max_candidates"):
+            value = getattr(self, name)
+            _check_type(f"asks.{name}", value, int)
+            if value < 1:
+                raise ValueError(f"asks.{name} must be >= 1, got {value}")
+
+
+DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")
 
 
 @dataclass(frozen=True)
@@ -108,12 +257,33 @@ class EngineConfig:
 
     Attributes:
         prefix_cache: Settings of the radix prefix cache.
+        rsbcm: The prefix cache's budget, blocks, eviction policy and out-of-memory recovery.
         trust_remote_code: Passed to ``transformers`` when loading a model directory. Default False.
+        cgee: Default CGEE thresholds of ``engine.reason`` when a call passes none.
+        decode_attention: How branches attend to the prompt while decoding. ``"auto"`` (default):
+            one shared copy of the prompt's KV with split prefix/suffix attention
+            (``rksc_engine.shared_prefix``) where a one-time numerical probe shows the model supports
+            it, else ``"dynamic_cache"``; ``"shared_prefix"``: the same, but an unsupported model
+            raises instead of falling back; ``"dynamic_cache"``: the plain path, the prompt's KV
+            copied once per branch in a ``transformers`` ``DynamicCache``.
+        asks: ASKS settings (off by default): KV reuse across prompts that differ in wording.
     """
 
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    rsbcm: RSBCMConfig = field(default_factory=RSBCMConfig)
     trust_remote_code: bool = False
+    cgee: CGEEConfig = field(default_factory=CGEEConfig)
+    decode_attention: str = "auto"
+    asks: ASKSConfig = field(default_factory=ASKSConfig)
 
     def __post_init__(self) -> None:
         _check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
+        _check_type("rsbcm", self.rsbcm, RSBCMConfig)
+        _check_type("cgee", self.cgee, CGEEConfig)
+        _check_type("asks", self.asks, ASKSConfig)
         _check_type("trust_remote_code", self.trust_remote_code, bool)
+        _check_type("decode_attention", self.decode_attention, str)
+        if self.decode_attention not in DECODE_ATTENTION_MODES:
+            raise ValueError(
+                f"decode_attention must be one of {list(DECODE_ATTENTION_MODES)}, got {self.decode_attention!r}"
+            )

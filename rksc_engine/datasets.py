@@ -1,14 +1,21 @@
-"""Questions and few-shot prompts: a seeded synthetic GSM8K-style set for offline runs, and a
-reader for real GSM8K-format JSONL files taken by path.
+"""Questions and few-shot prompts: seeded synthetic sets for offline runs, and readers for real
+JSONL files taken by path.
 
-Synthetic problems are multi-step arithmetic word problems with a worked solution ending in
-``#### <answer>``, the GSM8K convention, so the same prompts and answer extractors serve both.
+* GSM8K style: multi-step arithmetic word problems with a worked solution ending in
+  ``#### <answer>`` (``synthetic_problems``, ``load_gsm8k_jsonl``); answers are numbers.
+* Multiple choice: a question with lettered choices rendered into its text and a solution ending
+  in ``The answer is <letter>.`` (``synthetic_choice_problems``, ``load_choice_jsonl`` for rows
+  with ``question``, ``choices`` and ``answerKey``, as ARC has them); answers are letters, read by
+  the ``"choice"`` extractor.
+
+``load_problems_jsonl`` tells the two formats apart by their fields.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +25,10 @@ ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "cards"
 SYSTEM_PROMPT = (
     "You solve grade-school math word problems. Reason step by step in short sentences, "
     "then give the final answer on its own line as '#### <number>'."
+)
+CHOICE_SYSTEM_PROMPT = (
+    "You answer multiple-choice questions. Reason briefly in short sentences, "
+    "then end with 'The answer is <letter>.'"
 )
 
 
@@ -116,6 +127,125 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Problem
             if limit is not None and len(problems) >= limit:
                 break
     return problems
+
+
+def format_choices(question: str, labels: Sequence[str], texts: Sequence[str]) -> str:
+    """The question followed by one ``"A) text"`` line per choice."""
+    return question.strip() + "\n" + "\n".join(f"{label}) {text}" for label, text in zip(labels, texts))
+
+
+def _choice_problem(question: str, labels: list[str], texts: list[str], key: str, reasoning: str) -> Problem:
+    return Problem(format_choices(question, labels, texts), f"{reasoning} The answer is {key}.".strip(), key)
+
+
+def _mc_product(rng: random.Random) -> tuple[str, int, list[int], str]:
+    a, b = rng.randint(3, 12), rng.randint(3, 12)
+    right = a * b
+    wrong = {right + a, right - b, right + 10, (a + 1) * b, a + b} - {right}
+    return f"What is {a} * {b}?", right, rng.sample(sorted(wrong), 3), f"{a} * {b} = {right}."
+
+
+def _mc_left(rng: random.Random) -> tuple[str, int, list[int], str]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    have, used = rng.randint(20, 60), rng.randint(3, 19)
+    right = have - used
+    wrong = {have + used, right - 1, right + 2, used} - {right}
+    return (f"{name} has {have} {item} and gives away {used}. How many {item} are left?", right,
+            rng.sample(sorted(wrong), 3), f"{have} - {used} = {right} {item} are left.")
+
+
+def _mc_largest(rng: random.Random) -> tuple[str, int, list[int], str]:
+    values = rng.sample(range(10, 100), 4)
+    right = max(values)
+    return ("Which number is the largest?", right, [v for v in values if v != right],
+            f"Comparing the numbers, {right} is the largest.")
+
+
+_CHOICE_TEMPLATES = (_mc_product, _mc_left, _mc_largest)
+
+
+def synthetic_choice_problems(num: int, seed: int = 0, num_choices: int = 4) -> list[Problem]:
+    """``num`` deterministic multiple-choice problems with ``num_choices`` (2-4) lettered choices;
+    the right choice's position is drawn at random, so letter frequencies are balanced."""
+    if not 2 <= num_choices <= 4:
+        raise ValueError(f"num_choices must be in [2, 4], got {num_choices}")
+    rng = random.Random(seed)
+    labels = [chr(ord("A") + i) for i in range(num_choices)]
+    problems = []
+    for i in range(num):
+        question, right, wrong, reasoning = _CHOICE_TEMPLATES[i % len(_CHOICE_TEMPLATES)](rng)
+        values = wrong[: num_choices - 1] + [right]
+        rng.shuffle(values)
+        key = labels[values.index(right)]
+        problems.append(_choice_problem(question, labels, [str(v) for v in values], key,
+                                        f"{reasoning} That is choice {key}."))
+    return problems
+
+
+def _parse_choices(raw: object, where: str) -> tuple[list[str], list[str]]:
+    if isinstance(raw, dict) and isinstance(raw.get("text"), list):
+        texts = [str(t) for t in raw["text"]]
+        labels = [str(x) for x in raw.get("label") or [chr(ord("A") + i) for i in range(len(texts))]]
+    elif isinstance(raw, list):
+        texts = [str(t) for t in raw]
+        labels = [chr(ord("A") + i) for i in range(len(texts))]
+    else:
+        raise ValueError(f"{where}: 'choices' must be a list or {{'text': [...], 'label': [...]}}, got {raw!r:.80}")
+    if len(labels) != len(texts) or len(texts) < 2:
+        raise ValueError(f"{where}: need at least 2 choices with one label each")
+    return labels, texts
+
+
+def load_choice_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """Read multiple-choice JSONL: ``question``, ``choices`` (a list, or ARC's ``{"text": [...],
+    "label": [...]}``) and ``answerKey`` (a label, or a 0-based index / numeric label "1".."n" that
+    maps onto the choices). Labels are rewritten as letters A, B, ... so the ``"choice"`` extractor
+    reads them; the answer is the letter of the right choice."""
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            where = f"{path}:{line_no}"
+            if not all(k in row for k in ("question", "choices", "answerKey")):
+                raise ValueError(f"{where}: a multiple-choice row needs 'question', 'choices' and 'answerKey'")
+            question = row["question"]["stem"] if isinstance(row["question"], dict) else str(row["question"])
+            labels, texts = _parse_choices(row["choices"], where)
+            key = str(row["answerKey"]).strip()
+            if key in labels:
+                index = labels.index(key)
+            elif isinstance(row["answerKey"], int) and 0 <= row["answerKey"] < len(texts):
+                index = row["answerKey"]
+            else:
+                raise ValueError(f"{where}: answerKey {row['answerKey']!r} is not one of the labels {labels}")
+            letters = [chr(ord("A") + i) for i in range(len(texts))]
+            problems.append(_choice_problem(question, letters, texts, letters[index], ""))
+            if limit is not None and len(problems) >= limit:
+                break
+    return problems
+
+
+def jsonl_format(path: str | Path) -> str:
+    """``"choice"`` when the first row has ``choices`` and ``answerKey``, ``"gsm8k"`` when it has
+    ``question`` and ``answer``."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                if "choices" in row and "answerKey" in row:
+                    return "choice"
+                if "question" in row and "answer" in row:
+                    return "gsm8k"
+                raise ValueError(f"{path}: rows are neither GSM8K ('question', 'answer') nor multiple choice "
+                                 f"('question', 'choices', 'answerKey'); first row has {sorted(row)}")
+    raise ValueError(f"{path}: no rows")
+
+
+def load_problems_jsonl(path: str | Path, limit: int | None = None) -> tuple[str, list[Problem]]:
+    """``(format, problems)`` of a GSM8K or multiple-choice JSONL file (see ``jsonl_format``)."""
+    kind = jsonl_format(path)
+    return kind, (load_choice_jsonl(path, limit) if kind == "choice" else load_gsm8k_jsonl(path, limit))
 
 
 def few_shot_messages(question: str, shots: list[Problem], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:

@@ -25,11 +25,21 @@ from typing import Any
 
 import torch
 
+from . import asks
 from .config import EngineConfig, SamplingParams
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
+from .memory import run_with_oom_retry
 from .prefix_cache import RadixPrefixCache
 from .sampling import choose_next_tokens, make_generators
-from .types import Completion, EngineStats, StreamChunk
+from .shared_prefix import (
+    ATTENTION_NAME,
+    ProbeResult,
+    SharedPrefixCache,
+    attention_implementation,
+    initial_suffix_capacity,
+    probe,
+)
+from .types import ASKSDecision, Completion, EngineStats, StreamChunk
 
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
@@ -56,6 +66,10 @@ class _Prefilled:
     cache: Any  # transformers DynamicCache, batch 1
     last_logits: torch.Tensor  # (1, V)
     num_cached_tokens: int
+    # False when ASKS reused approximate KV: then nothing past the prompt's exact part, and nothing
+    # decoded on top of it, may go into the token-exact prefix cache.
+    exact: bool = True
+    asks: ASKSDecision | None = None  # what ASKS did, None when it did not act
 
 
 class RKSCEngine:
@@ -79,12 +93,15 @@ class RKSCEngine:
         self._stats = EngineStats()
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
-        self.prefix_cache = RadixPrefixCache(config.prefix_cache.budget_bytes)
+        self.prefix_cache = RadixPrefixCache(
+            config.rsbcm.budget_bytes, policy=config.rsbcm.policy, block_size=config.rsbcm.block_size
+        )
         self._cacheable = config.prefix_cache.enabled and self._model_supports_prefix_cache()
         self._eos_ids = self._collect_eos_ids()
         # transformers 5.x renamed the forward's `past_key_values` to `cache`; support both.
         forward_params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._shared_prefix_probe: ProbeResult | None = None  # probed on first decode, see _use_shared_prefix
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -103,7 +120,8 @@ class RKSCEngine:
             model: ``None`` for the embedded default (SmolLM2-135M-Instruct, converted once into the
                 user cache), a local Hugging Face model directory, or a loaded ``(model, tokenizer)`` pair.
             device: ``"auto"`` (CUDA if present, else CPU), a device string or ``torch.device``.
-            dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a dtype / its name.
+            dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"fast"`` (bfloat16 on CUDA and on
+                CPUs with native bf16, else float32) or a dtype / its name.
             config: Engine settings.
             progress: Show a progress bar while converting the default model the first time.
         """
@@ -286,11 +304,22 @@ class RKSCEngine:
             snapshot.cache_bytes = self.prefix_cache.total_bytes
             snapshot.cache_tokens = self.prefix_cache.total_tokens
             snapshot.cache_evicted_tokens = self.prefix_cache.evicted_tokens
+            snapshot.cache_peak_bytes = self.prefix_cache.peak_bytes
+            snapshot.cache_budget_bytes = self.prefix_cache.budget_bytes
             return snapshot
 
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = EngineStats()
+            self.prefix_cache.reset_peak()
+
+    def exclusive(self) -> Any:
+        """A context manager that holds the engine across several calls (``with engine.exclusive():``).
+
+        No other thread's call runs until the block ends, so a ``stats()`` delta taken inside belongs
+        to the block alone. The lock is re-entrant: calls made inside the block proceed as usual.
+        """
+        return self._lock
 
     def clear_cache(self) -> None:
         """Drop all cached prefixes not in use."""
@@ -299,8 +328,46 @@ class RKSCEngine:
 
     # -- core -----------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        """One model pass that survives running out of memory: on ``torch.OutOfMemoryError`` /
+        ``MemoryError`` the request's cache is rolled back, the prefix cache evicts and shrinks its
+        budget (``rsbcm.oom_budget_shrink``), and the pass is retried, ``rsbcm.oom_max_attempts``
+        tries in all; then ``ForwardOutOfMemoryError``."""
         # input_ids: (B, T); the cache holds the B rows' earlier positions.
-        return self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs)
+        rsbcm = self.config.rsbcm
+        return run_with_oom_retry(
+            lambda: self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs),
+            cache,
+            on_oom=self._free_memory_after_oom,
+            max_attempts=rsbcm.oom_max_attempts,
+            backoff_s=rsbcm.oom_backoff_s,
+        )
+
+    def _free_memory_after_oom(self, error: BaseException, attempt: int) -> None:
+        self._stats.oom_retries += 1
+        self.prefix_cache.shrink_budget(self.config.rsbcm.oom_budget_shrink)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def annotate_cache(self, token_ids: Sequence[int], *, start: int = 0, branch_score: float, depth: int) -> int:
+        """Tell RSBCM what cached KV is worth: set ``branch_score`` and ``depth`` (reasoning steps from
+        the root) on the cached KV of ``token_ids[start:]``; ``omega`` eviction reads them. Returns the
+        number of cached tokens annotated (0 when the cache is off)."""
+        with self._lock:
+            if not self._cacheable:
+                return 0
+            return self.prefix_cache.annotate(list(token_ids), start=start, branch_score=branch_score, depth=depth)
+
+    def tree_search(self, question: str, **kwargs: Any) -> Any:
+        """Beam search over reasoning steps, sharing each parent's KV with its children, inside the
+        RSBCM cache budget; see ``rksc_engine.tree_search.tree_search`` for the keyword args
+        (``breadth``, ``depth``, ``beam``, ``step_delimiter``, ``scorer``, ``params``, ...).
+
+        Returns:
+            A ``SearchResult`` with the best path, its answer, and the scored tree.
+        """
+        from .tree_search import tree_search
+
+        return tree_search(self, question, **kwargs)
 
     # -- multi-branch reasoning -------------------------------------------------------------------
     def reason(self, question: str, **kwargs: Any) -> Any:
@@ -309,7 +376,8 @@ class RKSCEngine:
         Keyword args (see ``rksc_engine.reasoning.reason``): ``n`` (8), ``params``, ``few_shot``
         (worked ``Problem``s) or ``prompt`` (your own messages), ``answer_extractor`` (``"gsm8k"``,
         ``"choice"`` or a callable), ``verifier`` (default: this engine as a Yes/No judge; any
-        ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``).
+        ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``; default
+        ``self.config.cgee``).
 
         Returns:
             A ``ReasoningResult`` with the answer, votes, branches and ``VerificationReport``.
@@ -335,6 +403,9 @@ class RKSCEngine:
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int]) -> _Prefilled:
+        prefilled = self._prefill_with_asks(prompt_ids)
+        if prefilled is not None:
+            return prefilled
         cache, matched, node = self._cache_for_prefix(prompt_ids)
         try:
             input_ids = torch.tensor([prompt_ids[matched:]], device=self.device)
@@ -353,23 +424,61 @@ class RKSCEngine:
             self._stats.cache_misses += 1
         return _Prefilled(prompt_ids, cache, out.logits[:, -1, :], matched)
 
+    def _prefill_with_asks(self, prompt_ids: list[int]) -> _Prefilled | None:
+        """Prefill through ASKS (``config.asks``, ``rksc_engine.asks``) when the prompt realigns with a
+        cached sequence after a short differing span; None when ASKS does not act (off, ``tau = 1``,
+        unsupported model, or no realignment), so the token-exact path runs unchanged.
+
+        Only the exact part of the prompt's KV is inserted into the radix cache: all of it after a
+        fallback, the shared prefix and the request's own span after a reuse."""
+        config = self.config.asks
+        if not (config.enabled and config.tau < 1.0 and self._cacheable and asks.supports_asks(self._model)):
+            return None
+        alignment = asks.find_alignment(self.prefix_cache, prompt_ids, config)
+        if alignment is None:
+            return None
+        match = self.prefix_cache.match_prefix(list(alignment.cached_ids))
+        needed = alignment.prefix_tokens + alignment.cached_span_tokens + alignment.remainder_tokens
+        if match.num_tokens < needed:
+            return None
+        self.prefix_cache.lock(match.last_node)
+        try:
+            result = asks.prefill_with_asks(prompt_ids, alignment, match.kv, self._forward, self._model, config)
+            exact_kv = _stack_kv(result.cache)[:, :, :, :result.num_exact_tokens]  # (L, 2, H_kv, T, D)
+            self.prefix_cache.insert(prompt_ids[:result.num_exact_tokens], exact_kv)
+        finally:
+            self.prefix_cache.unlock(match.last_node)
+        decision = result.decision
+        self._stats.prefills += 1
+        self._stats.prompt_tokens_computed += result.num_computed_tokens
+        self._stats.prompt_tokens_reused += result.num_reused_tokens
+        self._stats.cache_hits += 1 if result.num_reused_tokens else 0
+        self._stats.cache_misses += 0 if result.num_reused_tokens else 1
+        self._stats.asks_checks += 1
+        self._stats.asks_reuses += int(decision.reused)
+        self._stats.asks_reused_tokens += decision.reused_tokens
+        self._stats.asks_recomputed_tokens += decision.recomputed_tokens
+        self._stats.asks_check_tokens += decision.check_tokens
+        return _Prefilled(prompt_ids, result.cache, result.last_logits, result.num_reused_tokens,
+                          exact=result.exact, asks=decision)
+
     @torch.inference_mode()
     def _run(
         self, prompt_ids: list[int], n: int, params: SamplingParams, info: dict
     ) -> Iterator[tuple[list[_Branch], list[int]]]:
         """Prefill once, decode ``n`` branches; yields ``(branches, tokens of branch 0 this step)``."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
+        shared_prefix = self._use_shared_prefix()  # may raise (forced but unsupported) before any state changes
         self._stats.requests += 1
         prefilled = self._prefill(prompt_ids)
-        info.update(num_prompt_tokens=len(prompt_ids), num_cached_tokens=prefilled.num_cached_tokens, seed=seed)
-        cache, logits = prefilled.cache, prefilled.last_logits
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.expand(n, -1)
+        info.update(num_prompt_tokens=len(prompt_ids), num_cached_tokens=prefilled.num_cached_tokens, seed=seed,
+                    asks=prefilled.asks)
+        max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
+        cache, forward_kwargs = self._decode_cache(prefilled.cache, n, max_new, shared_prefix)
+        logits = prefilled.last_logits if n == 1 else prefilled.last_logits.expand(n, -1)
         generators = [] if params.greedy else make_generators(seed, n, self.device)
         branches = [_Branch(i) for i in range(n)]
         active = list(range(n))  # active[row] = branch index of that batch row
-        max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
         while True:
             tokens, logprobs = choose_next_tokens(logits, params, [generators[b] for b in active] if generators else [])
             token_list, logprob_list = tokens.tolist(), logprobs.tolist()
@@ -381,7 +490,7 @@ class RKSCEngine:
             self._stats.decode_tokens += len(active)
             yield branches, [token_list[0]] if active[0] == 0 else []
             if not keep_rows:
-                if n == 1:
+                if n == 1 and prefilled.exact:  # approximate (ASKS) KV never enters the exact cache
                     self._cache_generated(prompt_ids, branches[0].token_ids, cache)
                 return
             if len(keep_rows) < len(active):
@@ -389,8 +498,45 @@ class RKSCEngine:
                 cache.batch_select_indices(index)
                 tokens = tokens[index]
                 active = [active[r] for r in keep_rows]
-            out = self._forward(tokens[:, None], cache)
+            out = self._decode_forward(tokens[:, None], cache, forward_kwargs)
             logits = out.logits[:, -1, :]
+
+    def _use_shared_prefix(self) -> bool:
+        """Whether branches decode through ``SharedPrefixCache`` (config ``decode_attention``).
+
+        ``"auto"`` probes the model once (``shared_prefix.probe``) and falls back to the plain
+        ``DynamicCache`` path if it fails; ``"shared_prefix"`` raises instead."""
+        mode = self.config.decode_attention
+        if mode == "dynamic_cache":
+            return False
+        if self._shared_prefix_probe is None:
+            self._shared_prefix_probe = probe(self._model, self._forward)
+        if mode == "shared_prefix" and not self._shared_prefix_probe.supported:
+            raise ValueError(
+                "decode_attention='shared_prefix' is not supported by this model "
+                f"({self._shared_prefix_probe.reason}); use 'auto' or 'dynamic_cache'"
+            )
+        return self._shared_prefix_probe.supported
+
+    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool) -> tuple[Any, dict]:
+        """The cache ``n`` branches decode with, and the extra forward kwargs it needs.
+
+        Shared prefix: the prefill's batch-1 KV is kept once and each branch gets a preallocated
+        suffix of ``max_new`` tokens (capped, see ``initial_suffix_capacity``; it doubles if needed). Plain: the prefill's
+        ``DynamicCache`` with its row repeated ``n`` times."""
+        if shared_prefix and SharedPrefixCache.can_share(cache):
+            shared = SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=initial_suffix_capacity(max_new))
+            return shared, shared.forward_kwargs()
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        return cache, {}
+
+    def _decode_forward(self, input_ids: torch.Tensor, cache: Any, forward_kwargs: dict) -> Any:
+        # input_ids: (B, 1). The shared-prefix cache needs its attention function for this forward only.
+        if not forward_kwargs:
+            return self._forward(input_ids, cache)
+        with attention_implementation(self._model, ATTENTION_NAME):
+            return self._forward(input_ids, cache, **forward_kwargs)
 
     def _cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Any) -> None:
         """Keep a single completion's KV too, the way SGLang caches finished requests: an agent's
@@ -399,7 +545,7 @@ class RKSCEngine:
         sequence = prompt_ids + token_ids[:-1]
         if not self._cacheable or len(sequence) <= len(prompt_ids):
             return
-        kv_all = _stack_kv(cache)
+        kv_all = cache.stacked_kv(0) if isinstance(cache, SharedPrefixCache) else _stack_kv(cache)
         if kv_all.shape[3] == len(sequence):
             self.prefix_cache.insert(sequence, kv_all)
 
@@ -430,6 +576,7 @@ class RKSCEngine:
             num_cached_tokens=info["num_cached_tokens"],
             branch_index=branch.index,
             seed=info["seed"],
+            asks=info.get("asks"),
         )
 
 

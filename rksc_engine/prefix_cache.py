@@ -1,17 +1,32 @@
-"""Radix prefix cache: a tree over token ids whose nodes own slices of computed KV.
+"""Radix prefix cache (RSBCM): a tree over token ids whose nodes own fixed-size blocks of KV, kept
+inside a byte budget by a pluggable eviction policy.
 
 A request asks for the longest cached prefix of its prompt (``match_prefix``), computes only the
 rest, then gives the whole prompt's KV back (``insert``) so that later requests sharing any prefix of
 it skip that work. This is the token-exact reuse of SGLang's RadixAttention and vLLM's automatic
 prefix caching, held on the engine's side of ``transformers``.
 
+Blocks:
+    KV is held in blocks aligned to absolute token positions: block ``b`` covers positions
+    ``[b * block_size, (b + 1) * block_size)`` of the sequence. A node stores one tensor per block
+    it overlaps, ``(num_layers, 2, num_kv_heads, num_tokens_in_block, head_dim)``, so only the first
+    and last block of a node can be partial (a node may start or end inside a block). Each block is
+    its own tensor sized to its real tokens, so a partial block counts its real bytes, never a full
+    block's, and ``total_bytes`` is exactly the memory the cache holds.
+
 Invariants:
-    * Each node's ``kv`` holds exactly the KV of its own ``token_ids``, positions following its parent's.
-      Node KV is stored as one tensor ``(num_layers, 2, num_kv_heads, num_tokens, head_dim)`` that the
-      node owns (never a view into a larger tensor), so ``total_bytes`` is exact.
+    * Each node's blocks hold exactly the KV of its own ``token_ids``, positions following its parent's.
+    * ``total_bytes <= budget_bytes`` after every allocation: an insert evicts first and then stores
+      only what fits (its longest block-aligned leading part), so ``peak_bytes`` never passes the
+      budget. (Lowering the budget with ``set_budget`` below the locked bytes is the one way to be
+      over it; inserts then store nothing until locks are released.)
     * A node with ``lock_ref > 0`` (in use by a running request, or an ancestor of one) is never evicted.
-    * Only leaves are evicted, so every cached node keeps a valid prefix above it. Among evictable
-      leaves the policy's ``sort_key`` decides the order (smallest first).
+    * Only the trailing block of a node without cached descendants (a leaf) is evicted, so every node
+      keeps a valid prefix above it; a leaf whose last block goes disappears and may expose its parent.
+    * Eviction order: among evictable leaves, the policy's ``sort_key`` (smallest first; ties by node
+      creation order). ``omega`` (default): increasing ``branch_score / (depth + 1)``, ties least
+      recently used. ``lru``: least recently used. With no scores given (every node 1.0 at depth 0)
+      ``omega`` orders exactly like ``lru``.
 """
 
 from __future__ import annotations
@@ -19,39 +34,90 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+DEFAULT_BLOCK_SIZE = 16
+
 
 class RadixNode:
-    """One edge of the radix tree: a run of tokens and their KV."""
+    """One edge of the radix tree: a run of tokens and their KV blocks.
 
-    __slots__ = ("children", "parent", "token_ids", "kv", "lock_ref", "last_access")
+    Attributes:
+        children: First token id of each child edge -> child.
+        parent: The node above (None for the root).
+        token_ids: This edge's tokens.
+        start: Absolute position of ``token_ids[0]`` in the sequence (the parent path's length).
+        blocks: KV of ``token_ids`` as block tensors ``(L, 2, H_kv, t, D)``, split at multiples of
+            the block size.
+        branch_score: Score of the reasoning branch this KV belongs to (1.0 unless a search says
+            otherwise).
+        depth: Reasoning steps from the root (0 for plain prompts).
+        lock_ref: Running requests using this node or a descendant.
+        last_access: Logical clock of the last match or insert that used this node.
+    """
 
-    def __init__(self, token_ids: tuple[int, ...], kv: torch.Tensor | None, parent: RadixNode | None) -> None:
+    __slots__ = ("children", "parent", "token_ids", "start", "blocks", "branch_score", "depth",
+                 "lock_ref", "last_access", "node_id")
+
+    def __init__(
+        self,
+        token_ids: tuple[int, ...],
+        blocks: list[torch.Tensor],
+        parent: RadixNode | None,
+        *,
+        start: int = 0,
+        branch_score: float = 1.0,
+        depth: int = 0,
+        node_id: int = 0,
+    ) -> None:
         self.children: dict[int, RadixNode] = {}
         self.parent = parent
         self.token_ids = token_ids
-        self.kv = kv  # (L, 2, H_kv, T, D) or None for the root
+        self.start = start
+        self.blocks = blocks
+        self.branch_score = branch_score
+        self.depth = depth
         self.lock_ref = 0
         self.last_access = 0
+        self.node_id = node_id
+
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """This node's KV as one tensor ``(L, 2, H_kv, num_tokens, D)`` (a copy when it spans
+        several blocks), or None for the root."""
+        if not self.blocks:
+            return None
+        return self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks, dim=3)
 
     @property
     def num_bytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+        return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def end(self) -> int:
+        """Absolute position one past this node's last token."""
+        return self.start + len(self.token_ids)
+
+    @property
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def omega(self) -> float:
+        """RSBCM importance ``branch_score / (depth + 1)``: shallow, high-scoring KV is kept longest."""
+        return self.branch_score / (self.depth + 1)
 
+
+# -- eviction policies ----------------------------------------------------------------------------
 class EvictionPolicy(ABC):
-    """Orders evictable leaves; the smallest key goes first."""
+    """Orders evictable leaves; the smallest key goes first (ties: the older node)."""
 
     name: str
 
@@ -69,17 +135,27 @@ class LRUPolicy(EvictionPolicy):
         return (node.last_access,)
 
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+class OmegaPolicy(EvictionPolicy):
+    """Lowest ``omega = branch_score / (depth + 1)`` first; ties least recently used."""
+
+    name = "omega"
+
+    def sort_key(self, node: RadixNode) -> tuple:
+        return (node.omega, node.last_access)
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "omega": OmegaPolicy}
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
     """Build a policy by name; an unknown name is a ``ValueError`` listing the valid ones."""
     try:
         return EVICTION_POLICIES[name]()
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown eviction policy {name!r}; valid: {sorted(EVICTION_POLICIES)}") from None
 
 
+# -- results ----------------------------------------------------------------------------------------
 @dataclass
 class PrefixMatch:
     """The cached part of a request's prompt.
@@ -93,6 +169,23 @@ class PrefixMatch:
     num_tokens: int
     kv: torch.Tensor | None
     last_node: RadixNode
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """One block that eviction removed.
+
+    Attributes:
+        token_ids: The block's tokens.
+        start: Absolute position of its first token.
+        num_bytes: Bytes freed.
+        omega: Its node's importance when it went.
+    """
+
+    token_ids: tuple[int, ...]
+    start: int
+    num_bytes: int
+    omega: float
 
 
 class PrefixCache(ABC):
@@ -122,25 +215,52 @@ def _common_prefix_length(a: tuple[int, ...], b: list[int], start: int) -> int:
     return i
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy that owns its storage, so a block's bytes are exactly its own."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class RadixPrefixCache(PrefixCache):
-    """Token-exact prefix cache under a byte budget.
+    """Token-exact prefix cache of KV blocks under a byte budget.
 
     Not thread-safe by itself: the engine serialises access under its own lock.
 
     Args:
-        budget_bytes: Most bytes of KV kept; inserts past it evict unlocked leaves by ``policy``.
-        policy: Eviction order (default least recently used).
+        budget_bytes: Most bytes of KV kept (> 0).
+        policy: Eviction order: an ``EvictionPolicy`` or its name (``"omega"`` default, ``"lru"``).
+        block_size: Tokens per block (>= 1), the unit of eviction. Default 16.
+
+    Example:
+        >>> cache = RadixPrefixCache(64 << 20, policy="omega", block_size=16)
+        >>> cache.insert(prompt_ids, kv, branch_score=0.8, depth=2)  # kv: (L, 2, H_kv, T, D)
+        >>> match = cache.match_prefix(prompt_ids + more_ids)
+        >>> cache.lock(match.last_node)  # while a request uses match.kv; unlock when done
     """
 
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None) -> None:
-        if budget_bytes <= 0:
-            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+    def __init__(
+        self, budget_bytes: int, policy: EvictionPolicy | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if policy is None:
+            policy = OmegaPolicy()
+        elif isinstance(policy, str):
+            policy = make_eviction_policy(policy)
+        elif not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"policy must be an EvictionPolicy or a name, got {type(policy).__name__}")
+        self.configured_budget_bytes = budget_bytes
         self.budget_bytes = budget_bytes
-        self.policy = policy or LRUPolicy()
-        self.root = RadixNode((), None, None)
+        self.block_size = block_size
+        self.policy = policy
+        self._ids = itertools.count()
+        self.root = RadixNode((), [], None, node_id=next(self._ids))
         self.total_bytes = 0
         self.total_tokens = 0
+        self.peak_bytes = 0
         self.evicted_tokens = 0
+        self.evicted_blocks = 0
         self._clock = itertools.count(1)
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -150,17 +270,19 @@ class RadixPrefixCache(PrefixCache):
         Touches the matched nodes (for LRU). A partially matched edge is split so the returned
         ``last_node`` covers exactly the matched tokens (before the ``max_tokens`` cut).
         """
-        node, pieces, matched = self._walk(token_ids, split=True)
+        path, matched = self._walk(token_ids, split=True, touch=True)
         if max_tokens is not None and matched > max_tokens:
             matched = max_tokens
         if matched == 0:
             return PrefixMatch(0, None, self.root)
-        kv = torch.cat(pieces, dim=3) if len(pieces) > 1 else pieces[0]
-        return PrefixMatch(matched, kv[:, :, :, :matched], node)
+        blocks = [b for node in path for b in node.blocks]
+        kv = torch.cat(blocks, dim=3) if len(blocks) > 1 else blocks[0]
+        return PrefixMatch(matched, kv[:, :, :, :matched], path[-1])
 
-    def _walk(self, token_ids: list[int], split: bool) -> tuple[RadixNode, list[torch.Tensor], int]:
-        node, pieces, i = self.root, [], 0
-        tick = next(self._clock)
+    def _walk(self, token_ids: list[int], split: bool, touch: bool) -> tuple[list[RadixNode], int]:
+        """The nodes along the longest cached prefix of ``token_ids`` and its length."""
+        node, path, i = self.root, [], 0
+        tick = next(self._clock) if touch else 0
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
             if child is None:
@@ -170,84 +292,182 @@ class RadixPrefixCache(PrefixCache):
                 if not split:
                     break
                 child = self._split(child, common)
-            child.last_access = tick
-            pieces.append(child.kv)
+            if touch:
+                child.last_access = tick
+            path.append(child)
             i += common
             node = child
-        return node, pieces, i
+        return path, i
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
-        """Split ``node`` after ``at`` tokens; returns the new upper part (which keeps the locks)."""
-        upper = RadixNode(node.token_ids[:at], node.kv[:, :, :, :at].clone(), node.parent)
+        """Split ``node`` after ``at`` tokens; returns the new upper part (which keeps the locks).
+
+        Only the block holding the cut is copied into two pieces; the others move as they are, so
+        ``total_bytes`` is unchanged.
+        """
+        cut = node.start + at  # absolute position of the first token of the lower part
+        upper_blocks, lower_blocks, pos = [], [], node.start
+        for block in node.blocks:
+            width = block.shape[3]
+            if pos + width <= cut:
+                upper_blocks.append(block)
+            elif pos >= cut:
+                lower_blocks.append(block)
+            else:
+                k = cut - pos
+                upper_blocks.append(_own(block[:, :, :, :k]))
+                lower_blocks.append(_own(block[:, :, :, k:]))
+            pos += width
+        upper = RadixNode(node.token_ids[:at], upper_blocks, node.parent, start=node.start,
+                          branch_score=node.branch_score, depth=node.depth, node_id=next(self._ids))
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[node.token_ids[0]] = upper
         node.token_ids = node.token_ids[at:]
-        node.kv = node.kv[:, :, :, at:].clone()
+        node.blocks = lower_blocks
+        node.start = cut
         node.parent = upper
         upper.children[node.token_ids[0]] = node
         return upper
 
-    # -- insert / evict -------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], kv: torch.Tensor) -> int:
+    # -- insert ---------------------------------------------------------------------------------
+    def insert(self, token_ids: list[int], kv: torch.Tensor, *, branch_score: float = 1.0, depth: int = 0) -> int:
         """Cache the KV of ``token_ids`` (``kv``: ``(L, 2, H_kv, len(token_ids), D)``).
 
-        Only the part not already cached is stored (copied, so the cache owns its memory). Returns
-        the number of newly cached tokens (0 if the budget could not make room for them).
+        Only the part not already cached is stored (copied into blocks the cache owns). Room is made
+        before anything is allocated; if the budget cannot hold the whole new part, its longest
+        block-aligned leading part that fits is stored. New nodes get ``branch_score`` and ``depth``
+        (nodes already cached keep theirs; see ``annotate``).
+
+        Returns:
+            The number of newly cached tokens.
         """
-        if kv.shape[3] != len(token_ids):
-            raise ValueError(f"kv holds {kv.shape[3]} tokens but token_ids has {len(token_ids)}")
-        node, _, matched = self._walk(token_ids, split=True)
+        if kv.dim() != 5 or kv.shape[3] != len(token_ids):
+            raise ValueError(f"kv must be (L, 2, H_kv, {len(token_ids)}, D) for {len(token_ids)} token ids, "
+                             f"got {tuple(kv.shape)}")
+        path, matched = self._walk(token_ids, split=True, touch=True)
         if matched == len(token_ids):
             return 0
-        leaf = RadixNode(tuple(token_ids[matched:]), kv[:, :, :, matched:].clone(), node)
-        leaf.last_access = next(self._clock)
-        node.children[leaf.token_ids[0]] = leaf
-        self.total_bytes += leaf.num_bytes
-        self.total_tokens += leaf.num_tokens
-        if self.total_bytes > self.budget_bytes:
-            # Lock the new leaf's path while making room so we never evict what we just stored
-            # unless nothing else can go.
-            self.lock(leaf)
-            self.evict(self.total_bytes - self.budget_bytes)
-            self.unlock(leaf)
-            if self.total_bytes > self.budget_bytes:
-                self._remove_leaf(leaf)
+        parent = path[-1] if path else self.root
+        bytes_per_token = kv[:, :, :, :1].numel() * kv.element_size()
+        num_new = len(token_ids) - matched
+        # Protect the path we attach to while making room, so eviction cannot pull it from under us.
+        self.lock(parent)
+        try:
+            over = self.total_bytes + num_new * bytes_per_token - self.budget_bytes
+            if over > 0:
+                self.evict(over)
+            room_tokens = max(0, self.budget_bytes - self.total_bytes) // bytes_per_token
+            if room_tokens < num_new:
+                # Keep a block-aligned leading part, so the tail we drop is whole blocks.
+                aligned_end = (matched + room_tokens) // self.block_size * self.block_size
+                num_new = max(0, aligned_end - matched)
+            if num_new == 0:
                 return 0
-        return leaf.num_tokens
+            end = matched + num_new
+            leaf = RadixNode(tuple(token_ids[matched:end]), self._to_blocks(kv[:, :, :, matched:end], matched),
+                             parent, start=matched, branch_score=float(branch_score), depth=int(depth),
+                             node_id=next(self._ids))
+            leaf.last_access = next(self._clock)
+            parent.children[leaf.token_ids[0]] = leaf
+            self.total_bytes += leaf.num_bytes
+            self.total_tokens += leaf.num_tokens
+            self.peak_bytes = max(self.peak_bytes, self.total_bytes)
+            return num_new
+        finally:
+            self.unlock(parent)
 
+    def _to_blocks(self, kv: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """Cut ``kv`` (``(L, 2, H_kv, T, D)`` for positions ``start..start+T``) at block boundaries."""
+        blocks, pos, end = [], start, start + kv.shape[3]
+        while pos < end:
+            stop = min(end, (pos // self.block_size + 1) * self.block_size)
+            blocks.append(_own(kv[:, :, :, pos - start:stop - start]))
+            pos = stop
+        return blocks
+
+    def annotate(self, token_ids: list[int], *, start: int = 0, branch_score: float, depth: int) -> int:
+        """Set ``branch_score`` and ``depth`` on the cached nodes holding positions
+        ``[start, len(token_ids))`` of ``token_ids`` (splitting nodes at both ends so nothing outside
+        the range changes). Does not count as an access. Returns the number of tokens annotated."""
+        if not 0 <= start <= len(token_ids):
+            raise ValueError(f"start must be in [0, {len(token_ids)}], got {start}")
+        if start:
+            self._walk(token_ids[:start], split=True, touch=False)
+        path, matched = self._walk(token_ids, split=True, touch=False)
+        annotated = 0
+        for node in path:
+            if node.start >= start:
+                node.branch_score, node.depth = float(branch_score), int(depth)
+                annotated += node.num_tokens
+        return annotated
+
+    # -- evict ------------------------------------------------------------------------------------
     def evict(self, num_bytes: int) -> int:
-        """Evict unlocked leaves in policy order until ``num_bytes`` are freed; returns bytes freed."""
-        heap = [(self.policy.sort_key(n), id(n), n) for n in self._evictable_leaves()]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_bytes and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            freed += leaf.num_bytes
-            self.evicted_tokens += leaf.num_tokens
-            self._remove_leaf(leaf)
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (self.policy.sort_key(parent), id(parent), parent))
-        return freed
+        """Evict trailing blocks of unlocked leaves in policy order until ``num_bytes`` are freed
+        (or nothing evictable is left); returns the bytes freed."""
+        return sum(b.num_bytes for b in self.evict_blocks(num_bytes))
 
-    def _remove_leaf(self, leaf: RadixNode) -> None:
-        del leaf.parent.children[leaf.token_ids[0]]
-        self.total_bytes -= leaf.num_bytes
-        self.total_tokens -= leaf.num_tokens
+    def evict_blocks(self, num_bytes: int) -> list[EvictedBlock]:
+        """Like ``evict``, returning the evicted blocks in the order they went."""
+        heap = [(self.policy.sort_key(n), n.node_id, n) for n in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed, evicted = 0, []
+        while freed < num_bytes and heap:
+            _, _, leaf = heap[0]
+            block = leaf.blocks.pop()
+            width = block.shape[3]
+            size = block.numel() * block.element_size()
+            evicted.append(EvictedBlock(leaf.token_ids[-width:], leaf.end - width, size, leaf.omega))
+            key = leaf.token_ids[0]
+            leaf.token_ids = leaf.token_ids[:-width]
+            freed += size
+            self.total_bytes -= size
+            self.total_tokens -= width
+            self.evicted_tokens += width
+            self.evicted_blocks += 1
+            if leaf.token_ids:
+                continue  # same key: its next trailing block stays at the top of the heap
+            heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[key]
+            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+                heapq.heappush(heap, (self.policy.sort_key(parent), parent.node_id, parent))
+        return evicted
 
     def _evictable_leaves(self) -> list[RadixNode]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if node is not self.root and node.is_leaf and node.lock_ref == 0:
-                out.append(node)
-            stack.extend(node.children.values())
-        return out
+        return [n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
 
     def clear(self) -> None:
         """Drop every unlocked node."""
         self.evict(self.total_bytes + 1)
+
+    # -- budget -----------------------------------------------------------------------------------
+    def set_budget(self, budget_bytes: int) -> int:
+        """Change the effective budget (> 0) and evict down to it; returns the bytes freed."""
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be an int > 0, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        return self.evict(self.total_bytes - budget_bytes) if self.total_bytes > budget_bytes else 0
+
+    def shrink_budget(self, factor: float) -> int:
+        """Memory pressure: lower the effective budget to ``factor`` times what is held now (or the
+        current budget, if smaller) and evict down to it; returns the bytes freed."""
+        if not 0 < factor < 1:
+            raise ValueError(f"factor must be in (0, 1), got {factor}")
+        target = int(min(self.budget_bytes, self.total_bytes) * factor)
+        return self.set_budget(max(1, target))
+
+    def restore_budget(self) -> None:
+        """Go back to the configured budget after ``set_budget``/``shrink_budget``."""
+        self.budget_bytes = self.configured_budget_bytes
+
+    def reset_peak(self) -> None:
+        """Start measuring ``peak_bytes`` afresh from what is held now, and zero ``evicted_tokens``
+        and ``evicted_blocks`` (the engine's ``reset_stats`` calls this)."""
+        self.peak_bytes = self.total_bytes
+        self.evicted_tokens = 0
+        self.evicted_blocks = 0
 
     # -- locking --------------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
@@ -257,17 +477,19 @@ class RadixPrefixCache(PrefixCache):
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
+        """Release one ``lock`` of ``node``; unlocking a node that is not locked is an error."""
         while node is not None and node is not self.root:
             if node.lock_ref <= 0:
                 raise RuntimeError("unlock of a node that is not locked")
             node.lock_ref -= 1
             node = node.parent
 
+    # -- inspection -----------------------------------------------------------------------------
     @property
     def evictable_bytes(self) -> int:
         return sum(n.num_bytes for n in self._iter_nodes() if n.lock_ref == 0)
 
-    def _iter_nodes(self):
+    def _iter_nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -276,3 +498,28 @@ class RadixPrefixCache(PrefixCache):
 
     def num_nodes(self) -> int:
         return sum(1 for _ in self._iter_nodes())
+
+    def check_consistency(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (byte/token totals, tree
+        links, block alignment, lock counts). For tests and debugging; walks the whole tree."""
+        total_bytes = total_tokens = 0
+        for node in self._iter_nodes():
+            where = f"node at positions [{node.start}, {node.end})"
+            assert node.token_ids, f"{where} is empty"
+            assert node.parent.children.get(node.token_ids[0]) is node, f"{where} is not its parent's child"
+            assert node.start == node.parent.end, f"{where} does not follow its parent (ends at {node.parent.end})"
+            children_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= children_locks, (
+                f"{where} has lock_ref {node.lock_ref} below its children's {children_locks}")
+            pos = node.start
+            for block in node.blocks:
+                width = block.shape[3]
+                assert width >= 1, f"{where} holds an empty block"
+                assert pos // self.block_size == (pos + width - 1) // self.block_size, (
+                    f"{where}: block [{pos}, {pos + width}) crosses a block boundary")
+                pos += width
+            assert pos == node.end, f"{where}: blocks cover [{node.start}, {pos})"
+            total_bytes += node.num_bytes
+            total_tokens += node.num_tokens
+        assert total_bytes == self.total_bytes, f"total_bytes {self.total_bytes} but nodes hold {total_bytes}"
+        assert total_tokens == self.total_tokens, f"total_tokens {self.total_tokens} but nodes hold {total_tokens}"

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .answers import extract_gsm8k_answer
-from .cgee import CGEEConfig, VoteSummary, should_skip, summarise_votes
-from .config import SamplingParams
+from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
+from .config import CGEEConfig, SamplingParams
 from .datasets import Problem, few_shot_messages
 from .verifier import CallableVerifier, CandidateScore, LLMJudgeVerifier, Verifier
 
@@ -72,6 +73,12 @@ class VerificationReport:
         num_layers: Decoder layers of the judge model, when it has them.
         verify_s: Wall time spent verifying.
         check_s: Part of ``verify_s`` spent on the layer-exit checks themselves.
+        time_saved_s: An *estimate* of the wall time CGEE saved on this call against verifying every
+            candidate at full depth (see ``rksc_engine.verifier``): for a skip, the verifier's
+            measured full-depth cost per candidate times the candidates; for a pass that stopped
+            early, its measured seconds per layer times the layers not run, minus the checks' cost,
+            so it is negative when the checks cost more than they saved. 0 for full verification;
+            None for a skip before the verifier has measured any pass.
     """
 
     skipped: bool
@@ -83,6 +90,7 @@ class VerificationReport:
     num_layers: int | None = None
     verify_s: float = 0.0
     check_s: float = 0.0
+    time_saved_s: float | None = 0.0
 
     @property
     def layers_saved(self) -> int:
@@ -91,13 +99,14 @@ class VerificationReport:
         return sum(self.num_layers - 1 - layer for layer in self.exit_layers if layer is not None)
 
     def summary(self) -> str:
+        saved = "unknown" if self.time_saved_s is None else f"{self.time_saved_s * 1000:+.0f} ms"
         if self.skipped:
-            return f"CGEE: verification skipped ({self.reason})"
+            return f"CGEE: verification skipped ({self.reason}); estimated time saved {saved}"
         parts = [f"CGEE: verified {len(self.scores)} candidates ({self.reason}) in {self.verify_s:.2f}s"]
         parts += [f"  {s.answer}: score={s.score:.3f} exit_layer={s.exit_layer}" for s in self.scores]
         if self.num_layers:
             parts.append(f"  layers saved: {self.layers_saved} of {self.num_layers * len(self.scores)} "
-                         f"(exit checks cost {self.check_s * 1000:.1f} ms)")
+                         f"(exit checks cost {self.check_s * 1000:.1f} ms); estimated time saved {saved}")
         return "\n".join(parts)
 
     __str__ = summary
@@ -125,9 +134,17 @@ def _resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtract
     return answer_extractor
 
 
+# One default judge per engine, so its measured pass costs carry across calls (time-saved estimates
+# of skipped calls); weak keys let an engine be collected with its judge.
+_DEFAULT_JUDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verifier:
     if verifier is None:
-        return LLMJudgeVerifier(engine)
+        judge = _DEFAULT_JUDGES.get(engine)
+        if judge is None:
+            judge = _DEFAULT_JUDGES[engine] = LLMJudgeVerifier(engine)
+        return judge
     if isinstance(verifier, Verifier):
         return verifier
     if callable(verifier):
@@ -147,10 +164,14 @@ def reason(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
 ) -> ReasoningResult:
-    """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``."""
+    """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
+
+    ``cgee=None`` uses the engine's ``EngineConfig.cgee``.
+    """
     if not isinstance(question, str) or not question.strip():
         raise ValueError("question must be a non-empty string")
-    cgee = CGEEConfig() if cgee is None else cgee
+    if cgee is None:
+        cgee = getattr(getattr(engine, "config", None), "cgee", None) or CGEEConfig()
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
     params = params or SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
@@ -174,16 +195,20 @@ def verify_and_pick(
     summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
     skip, why = should_skip(summary, cgee)
     report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
+    candidates = [answer for answer, _ in summary.shares]
+    if skip:
+        estimate = getattr(judge, "estimate_full_s", None)
+        report.time_saved_s = estimate(len(candidates)) if callable(estimate) else None
     if skip or summary.winner is None:
         return summary.winner, report, summary
-    candidates = [answer for answer, _ in summary.shares]
     start = time.perf_counter()
-    report.scores = judge.score(question, candidates, cgee)
+    if isinstance(judge, LLMJudgeVerifier):
+        report.scores, trace = judge.score_with_trace(question, candidates, cgee)
+        report.num_layers, report.check_s, report.time_saved_s = trace.num_layers, trace.check_s, trace.time_saved_s
+    else:
+        report.scores = judge.score(question, candidates, cgee)
     report.verify_s = time.perf_counter() - start
     report.exit_layers = [s.exit_layer for s in report.scores]
-    report.check_s = sum(t.check_s for t in getattr(judge, "last_traces", []))
-    if isinstance(judge, LLMJudgeVerifier):
-        report.num_layers = len(judge.engine.model.model.layers)
-    share = dict(summary.shares)
-    best = max(report.scores, key=lambda s: (share[s.answer] * s.score, s.answer == summary.winner))
-    return best.answer, report, summary
+    if [s.answer for s in report.scores] != candidates:
+        raise ValueError("the verifier must return one score per candidate, in the order given")
+    return pick_answer(summary, [s.score for s in report.scores]), report, summary

@@ -10,6 +10,37 @@ FinishReason = Literal["stop", "length", "eos"]
 
 
 @dataclass(frozen=True)
+class ASKSDecision:
+    """What ASKS did for one prompt (see ``rksc_engine.asks``).
+
+    Attributes:
+        reused: Whether cached KV of the realigned remainder was reused (approximate KV).
+        sigma: Layer-weighted cosine similarity of the two differing spans' hidden states.
+        tau: The threshold ``sigma`` was compared with.
+        prefix_tokens: Tokens shared token for token with the cached sequence (exact cached KV).
+        request_span_tokens: Length of the request's differing span.
+        cached_span_tokens: Length of the cached sequence's differing span.
+        remainder_tokens: Length of the realigned remainder both sequences share after their spans.
+        position_shift: ``request_span_tokens - cached_span_tokens``, the rotary shift of reused keys.
+        reused_tokens: Remainder tokens whose cached KV was reused (0 when not reused).
+        recomputed_tokens: Remainder tokens computed by the request itself (all of them on a fallback).
+        check_tokens: Tokens of the cached span recomputed only to read their hidden states.
+    """
+
+    reused: bool
+    sigma: float
+    tau: float
+    prefix_tokens: int
+    request_span_tokens: int
+    cached_span_tokens: int
+    remainder_tokens: int
+    position_shift: int
+    reused_tokens: int
+    recomputed_tokens: int
+    check_tokens: int
+
+
+@dataclass(frozen=True)
 class Completion:
     """One generated branch.
 
@@ -25,6 +56,8 @@ class Completion:
         num_cached_tokens: Prompt tokens whose KV came from the prefix cache instead of being computed.
         branch_index: Position among siblings; the branch drew from the generator seeded ``seed + branch_index``.
         seed: The seed of branch 0 of the call.
+        asks: The ASKS decision for the prompt, or None when ASKS did not act (off, or no cached
+            sequence realigned with the prompt).
     """
 
     text: str
@@ -35,6 +68,7 @@ class Completion:
     num_cached_tokens: int = 0
     branch_index: int = 0
     seed: int | None = None
+    asks: ASKSDecision | None = None
 
     @property
     def confidence(self) -> float:
@@ -75,6 +109,14 @@ class EngineStats:
     cache_bytes: int = 0
     cache_tokens: int = 0
     cache_evicted_tokens: int = 0
+    cache_peak_bytes: int = 0  # most KV bytes the prefix cache held at once (since reset_stats)
+    cache_budget_bytes: int = 0  # its effective budget now (shrinks after out-of-memory errors)
+    oom_retries: int = 0  # forward passes retried after an out-of-memory error
+    asks_checks: int = 0  # prompts whose differing span ASKS compared with a cached one
+    asks_reuses: int = 0  # of those, prompts that reused the cached remainder
+    asks_reused_tokens: int = 0  # prompt tokens served approximate (reused, re-rotated) KV
+    asks_recomputed_tokens: int = 0  # remainder tokens computed instead (fallbacks, selective recompute)
+    asks_check_tokens: int = 0  # cached-span tokens recomputed only to compare hidden states
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -1,7 +1,37 @@
-"""LangChain adapters: ``ChatRKSC`` (chat model) and ``RKSCLLM`` (text-completion LLM)."""
+"""LangChain adapters: ``ChatRKSC`` (chat model), ``RKSCLLM`` (text-completion LLM) and
+``MultiBranchReasoner`` (verified self-consistency as a Runnable), with ``RKSCEventCollector`` for
+the rksc custom events they send."""
 
 from ._base import CACHE_EVENT
 from .chat_models import ChatRKSC
 from .llms import RKSCLLM
+from .reasoner import (
+    CGEE_EVENT,
+    EARLY_EXIT_EVENT,
+    REASONER_EVENTS,
+    VOTE_EVENT,
+    CacheReuse,
+    CGEEDecision,
+    MultiBranchReasoner,
+    ReasonerBranch,
+    ReasonerOutput,
+    RKSCEvent,
+    RKSCEventCollector,
+)
 
-__all__ = ["CACHE_EVENT", "ChatRKSC", "RKSCLLM"]
+__all__ = [
+    "CACHE_EVENT",
+    "CGEE_EVENT",
+    "EARLY_EXIT_EVENT",
+    "REASONER_EVENTS",
+    "VOTE_EVENT",
+    "CGEEDecision",
+    "CacheReuse",
+    "ChatRKSC",
+    "MultiBranchReasoner",
+    "RKSCEvent",
+    "RKSCEventCollector",
+    "RKSCLLM",
+    "ReasonerBranch",
+    "ReasonerOutput",
+]

@@ -11,18 +11,16 @@ What differs, on purpose:
       ``usage_metadata["input_token_details"]["cache_read"]``, ``response_metadata["num_cached_tokens"]``
       and an ``rksc_cache_reuse`` custom event.
     * ``n > 1`` decodes sibling generations over one prefill; each is its own ``ChatGeneration``.
-    * Tool calls and structured output are decoded under the schema (``constrained``), so even the
-      135M default model returns well-formed calls.
+    * Tool calls and structured output are decoded under the schema (``rksc_engine.tools``), so even
+      the 135M default model returns well-formed calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -38,15 +36,15 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams
+from rksc_engine import tools as tool_protocol
+from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolRequest
 
 from .._async import iterate_in_thread
 from ._base import RKSCFields
-from .constrained import ConstrainedDecoder
-from .messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, add_tool_prompt, template_takes_tools, to_engine_messages
+from .messages import to_engine_messages
 
 # Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
 _BOUND_KWARGS = ("tools", "tool_choice", "response_format")
-JSON_INSTRUCTION = "Answer with one JSON object and nothing else."
 
 
 @dataclass
@@ -54,10 +52,13 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     n: int
-    functions: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"name", "description", "parameters"}
-    forced: bool = False  # a tool call must be made
-    forced_name: str | None = None
+    tools: ToolRequest | None = None
     response_format: dict[str, Any] | None = None
+
+    @property
+    def constrained_from_start(self) -> bool:
+        """A forced tool call or a JSON answer: decoded under the schema from the first token."""
+        return (self.tools is not None and self.tools.forced) or self.response_format is not None
 
 
 class ChatRKSC(RKSCFields, BaseChatModel):
@@ -97,7 +98,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         names = [t["function"]["name"] for t in formatted]
-        choice = _normalise_tool_choice(tool_choice, names)
+        choice = tool_protocol.normalise_tool_choice(tool_choice, names)
         if choice == "none":
             formatted, choice = [], None
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
@@ -119,7 +120,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
                 ``"json_mode"``: a JSON object; without ``schema`` the model chooses its keys, with one
                 it is decoded like ``"json_schema"``.
             include_raw: Return ``{"raw", "parsed", "parsing_error"}`` instead of the parsed value.
-            strict: Accepted for API parity: decoding always follows the schema (see ``constrained``).
+            strict: Accepted for API parity: decoding always follows the schema (see ``rksc_engine.tools``).
         """
         if kwargs:
             raise TypeError(f"unexpected keyword argument(s) {sorted(kwargs)}")
@@ -135,7 +136,8 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         # JSON mode has the model choose the keys; a schema given to it is still used to decode, since
         # the answer is parsed as that schema and a small model rarely guesses its shape unaided.
         response_format = (
-            {"type": "json_schema" if method == "json_schema" else "json_object", "schema": _inline_refs(json_schema)}
+            {"type": "json_schema" if method == "json_schema" else "json_object",
+             "schema": tool_protocol.inline_refs(json_schema)}
             if json_schema is not None else {"type": "json_object"}
         )
         llm = self.bind(
@@ -152,36 +154,25 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     # -- request --------------------------------------------------------------------------------
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
         bound = {k: kwargs.pop(k) for k in _BOUND_KWARGS if k in kwargs}
-        tools = bound.get("tools") or []
-        functions = {t["function"]["name"]: t["function"] for t in tools}
-        forced_name = None
-        choice = bound.get("tool_choice")
-        if functions and choice is not None:
-            choice = _normalise_tool_choice(choice, list(functions))
-            forced_name = choice if choice in functions else (next(iter(functions)) if len(functions) == 1 else None)
+        tools = ToolRequest.build(bound.get("tools") or [], bound.get("tool_choice"))
         response_format = bound.get("response_format")
         # The tool-call opener ends free text, so a call the model starts is finished under the schema.
-        params, n = self.sampling_params(kwargs, stop, (TOOL_CALL_OPEN,) if functions else ())
+        params, n = self.sampling_params(kwargs, stop, (TOOL_CALL_OPEN,) if tools else ())
         tokenizer = self.engine.tokenizer
-        native = bool(functions) and template_takes_tools(tokenizer)
-        engine_messages = to_engine_messages(messages, native_tools=native)
-        if functions and not native:
-            engine_messages = add_tool_prompt(engine_messages, list(functions.values()))
+        # Calls in the history stay structured; rksc_engine.tools renders them for the template.
+        engine_messages, template_kwargs = tool_protocol.offer_tools(
+            to_engine_messages(messages, native_tools=True), tools, tokenizer
+        )
         if response_format is not None:
-            hint = JSON_INSTRUCTION
-            if response_format.get("schema"):
-                hint += " Its JSON schema: " + json.dumps(response_format["schema"], ensure_ascii=False)
-            engine_messages = _append_system(engine_messages, hint)
+            engine_messages = tool_protocol.add_system_text(
+                engine_messages, tool_protocol.json_instruction(response_format.get("schema"))
+            )
         if getattr(tokenizer, "chat_template", None):
-            extra = {"tools": tools} if native else {}
-            text = self.engine.render_chat(engine_messages, **extra)
+            text = self.engine.render_chat(engine_messages, **template_kwargs)
         else:  # a base model: a plain transcript ending where the assistant speaks
             text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in engine_messages) + "Assistant:"
         prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        return _Request(
-            prompt_ids, params, n, functions, forced=bool(functions) and choice is not None,
-            forced_name=forced_name, response_format=response_format,
-        )
+        return _Request(prompt_ids, params, n, tools, response_format)
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(
@@ -196,8 +187,8 @@ class ChatRKSC(RKSCFields, BaseChatModel):
 
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
         request = self._request(messages, stop, kwargs)
-        if request.forced or request.response_format is not None:
-            results = [self._constrained(request, "", _branch_seed(request.params, i)) for i in range(request.n)]
+        if request.constrained_from_start:
+            results = [self._constrained(request, _branch_seed(request.params, i)) for i in range(request.n)]
             report = self.report(results[0][1], request.n, run_manager)
             messages_out = [m for m, _ in results]
             for m in messages_out:
@@ -235,8 +226,8 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         request = self._request(messages, stop, kwargs)
         if request.n != 1:
             raise ValueError(f"streaming produces one generation; n must be 1, got {request.n}")
-        if request.forced or request.response_format is not None:
-            message, first = self._constrained(request, "", request.params.seed)
+        if request.constrained_from_start:
+            message, first = self._constrained(request, request.params.seed)
             message.response_metadata["rksc_cache_reuse"] = self.report(first, 1, run_manager)
             yield _last_chunk(message)
             return
@@ -269,8 +260,8 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     # -- results --------------------------------------------------------------------------------
     def _message(self, completion: Completion, request: _Request) -> AIMessage:
         """The AIMessage of a free generation; a tool call the model started is finished constrained."""
-        if request.functions and _ended_at_tool_call(self.engine.tokenizer, completion):
-            return self._constrained(request, completion.text, completion.seed, free=completion)[0]
+        if request.tools is not None and tool_protocol.stopped_at_tool_call(self.engine.tokenizer, completion):
+            return self._constrained(request, completion.seed, free=completion)[0]
         return AIMessage(
             content=completion.text,
             usage_metadata=self.usage(completion),
@@ -278,101 +269,31 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         )
 
     def _constrained(
-        self, request: _Request, prose: str, seed: int | None, free: Completion | None = None
+        self, request: _Request, seed: int | None, free: Completion | None = None
     ) -> tuple[AIMessage, Completion]:
-        """A tool call (or a JSON answer) decoded under the bound schemas, after ``prose``, and the
-        completion whose prompt accounting it reports (the free one that started the call, or the first)."""
+        """A tool call (or a JSON answer) decoded under the bound schemas, after the free generation
+        ``free`` that started it (if any), and the completion whose prompt accounting it reports."""
         params = SamplingParams(
             max_new_tokens=min(request.params.max_new_tokens, 64), temperature=request.params.temperature,
             top_p=request.params.top_p, top_k=request.params.top_k, seed=seed,
         )
-        decoder = ConstrainedDecoder(self.engine, request.prompt_ids, params, text=prose)
-        tool_calls: list[dict[str, Any]] = []
-        if request.functions and (request.forced or free is not None):
-            decoder.emit(TOOL_CALL_OPEN + '{"name": ')
-            if request.forced_name is not None:
-                decoder.emit(json.dumps(request.forced_name, ensure_ascii=False))
-                name = request.forced_name
-            else:
-                name = decoder.choose(list(request.functions))
-            decoder.emit(', "arguments": ')
-            args = decoder.value(request.functions[name].get("parameters") or {"type": "object", "properties": {}})
-            decoder.emit("}" + TOOL_CALL_CLOSE)
-            tool_calls.append({"name": name, "args": args, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "tool_call"})
-            content = prose
-            finish_reason = "tool_calls"
+        result: ConstrainedResult
+        if request.tools is not None and (request.tools.forced or free is not None):
+            result = tool_protocol.decode_tool_call(self.engine, request.prompt_ids, params, request.tools, free=free)
         else:
-            response_format = request.response_format or {}
-            schema = response_format.get("schema")
-            value = decoder.value(schema) if schema else decoder.free_object()
-            content = json.dumps(value, ensure_ascii=False)
-            finish_reason = "stop"
-        first = free if free is not None else decoder.first
-        if first is None:  # the schema left nothing for the model to write (a tool without arguments)
-            first = Completion("", (), (), "stop", num_prompt_tokens=len(request.prompt_ids))
-        elif free is None:
-            # The first value's prompt already held some scaffold; report the request's own prompt.
-            first = dataclasses.replace(
-                first, num_prompt_tokens=len(request.prompt_ids),
-                num_cached_tokens=min(first.num_cached_tokens, len(request.prompt_ids)),
-            )
-        output_tokens = decoder.output_tokens + (free.num_generated_tokens if free is not None else 0)
-        metadata = {**self.generation_info(first), "finish_reason": finish_reason, "constrained": True}
+            schema = (request.response_format or {}).get("schema")
+            result = tool_protocol.decode_json(self.engine, request.prompt_ids, params, schema)
+        tool_calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+        metadata = {**self.generation_info(result.completion), "finish_reason": result.finish_reason, "constrained": True}
         message = AIMessage(
-            content=content, tool_calls=tool_calls, usage_metadata=self.usage(first, output_tokens), response_metadata=metadata
+            content=result.text, tool_calls=tool_calls,
+            usage_metadata=self.usage(result.completion, result.num_generated_tokens), response_metadata=metadata,
         )
-        return message, first
-
-
-def _normalise_tool_choice(choice: Any, names: list[str]) -> str | None:
-    """``None`` (auto), ``"any"`` (some tool), ``"none"`` or a tool name."""
-    if choice is None or choice == "auto" or choice is False:
-        return None
-    if choice in ("any", "required") or choice is True:
-        return "any"
-    if choice == "none":
-        return "none"
-    if isinstance(choice, dict):
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
-    if isinstance(choice, str) and choice in names:
-        return choice
-    raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none', True or one of the tool names {names}, got {choice!r}")
-
-
-def _ended_at_tool_call(tokenizer: Any, completion: Completion) -> bool:
-    """Whether generation stopped at the tool-call opener (rather than a user stop string or EOS)."""
-    if completion.finish_reason != "stop":
-        return False
-    full = tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
-    return full[len(completion.text):].startswith(TOOL_CALL_OPEN)
+        return message, result.completion
 
 
 def _branch_seed(params: SamplingParams, i: int) -> int | None:
     return None if params.seed is None else params.seed + i
-
-
-def _append_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    if messages and messages[0]["role"] == "system":
-        first = {**messages[0], "content": (messages[0]["content"] + "\n\n" + text).strip()}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with local ``$ref``s replaced by their definitions (the decoder walks plain schemas)."""
-    defs = {**schema.get("$defs", {}), **schema.get("definitions", {})}
-
-    def walk(node: Any, depth: int = 0) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.rsplit("/", 1)[-1] in defs and depth < 16:
-                return walk({**defs[ref.rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}, depth + 1)
-            return {k: walk(v, depth) for k, v in node.items() if k not in ("$defs", "definitions")}
-        if isinstance(node, list):
-            return [walk(v, depth) for v in node]
-        return node
-
-    return walk(schema)
 
 
 def _last_chunk(message: AIMessage) -> ChatGenerationChunk:

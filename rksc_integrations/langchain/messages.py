@@ -1,21 +1,14 @@
-"""LangChain messages to the engine's chat dicts, and the tool-calling protocol.
+"""LangChain messages to the engine's chat dicts.
 
 Every role renders, in any order: a history may end in an AI message or a ``ToolMessage`` (an agent's
-next step), unlike ``ChatHuggingFace``, which requires a final human message.
-
-Tools reach the model one of two ways:
-    * The chat template takes them (its source mentions ``tools``): they are passed as
-      ``apply_chat_template(tools=...)``, and earlier calls as the messages' ``tool_calls``.
-    * Otherwise (SmolLM2's template, for one) the documented system-prompt protocol: the tools' JSON
-      schemas go into the system message (``TOOL_SYSTEM_PROMPT``) and a call is written
-      ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen convention that
-      small instruct models have seen most; earlier calls are rendered back in that form.
-Either way, the model's calls are decoded in the ``<tool_call>`` form (see ``constrained``).
+next step), unlike ``ChatHuggingFace``, which requires a final human message. An AI message's tool
+calls become OpenAI-shaped ``tool_calls`` on its dict, or, for a template that does not render them,
+``<tool_call>`` blocks in its text; the tool protocol itself (both ways of offering tools, the block
+format, parsing, constrained decoding) is ``rksc_engine.tools``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,16 +22,9 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-ENGINE_ROLES = ("system", "user", "assistant", "tool")
+from rksc_engine.tools import inline_tool_calls
 
-TOOL_SYSTEM_PROMPT = (
-    "You can call functions. The available tools, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
-    "To call a tool, reply with one block per call and nothing else:\n"
-    '<tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>\n'
-    "When a tool result is given, use it to answer."
-)
+ENGINE_ROLES = ("system", "user", "assistant", "tool")
 
 _ROLE_OF = {SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool", FunctionMessage: "tool"}
 
@@ -75,14 +61,12 @@ def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool = Fal
         text = message_text(message, f"messages[{i}]")
         entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message, AIMessage) and message.tool_calls:
-            if native_tools:
-                entry["tool_calls"] = [
-                    {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
-                    for c in message.tool_calls
-                ]
-            else:
-                blocks = [format_tool_call(c["name"], c["args"]) for c in message.tool_calls]
-                entry["content"] = text + "".join(blocks)
+            entry["tool_calls"] = [
+                {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+                for c in message.tool_calls
+            ]
+            if not native_tools:
+                entry = inline_tool_calls(entry)
         if isinstance(message, ToolMessage):
             entry["tool_call_id"] = message.tool_call_id
             if message.status == "error":  # the model should see that the call failed
@@ -122,23 +106,3 @@ def message_text(message: BaseMessage, where: str) -> str:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"{where} holds a {kind!r} content block; this text-only model accepts text")
     return "".join(parts)
-
-
-def format_tool_call(name: str, arguments: Any) -> str:
-    """A call as the protocol writes it (the exact bytes the constrained decoder produces)."""
-    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + TOOL_CALL_CLOSE
-
-
-def tool_system_prompt(functions: Sequence[dict[str, Any]]) -> str:
-    """The system text offering ``functions`` (``{"name", "description", "parameters"}`` each)."""
-    return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(f, ensure_ascii=False) for f in functions))
-
-
-def add_tool_prompt(messages: list[dict[str, Any]], functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with the tool offer appended to the system message (one is added if missing)."""
-    offer = tool_system_prompt(functions)
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        first["content"] = (first["content"] + "\n\n" + offer) if first["content"] else offer
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": offer}, *messages]

@@ -12,6 +12,7 @@ from .events import (
     RKSCCacheReuseEvent,
     RKSCCGEESkipEvent,
     RKSCEarlyExitEvent,
+    RKSCVerificationEvent,
 )
 from .llm import GENERATION_KWARGS, RKSCLLM
 
@@ -26,5 +27,6 @@ __all__ = [
     "RKSCCacheReuseEvent",
     "RKSCEarlyExitEvent",
     "RKSCLLM",
+    "RKSCVerificationEvent",
     "normalise_answer",
 ]

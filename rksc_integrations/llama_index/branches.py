@@ -1,13 +1,14 @@
-"""Multi-branch answering: self-consistency over ``n`` branches of one cached prompt.
+"""Multi-branch answering: self-consistency over ``n`` branches of one cached prompt, verified with CGEE.
 
 ``RKSCLLM(branches=n)`` turns every LLM call into ``engine.generate_branches(prompt, n)`` (one
 prefill, ``n`` sampled branches). Branch texts are compared by an answer key (default
-``normalise_answer``: lower-cased, whitespace collapsed, surrounding punctuation removed), the most
-frequent key wins (``rksc_engine.answers.majority_vote``; ties go to the branch seen first), and the
-most confident branch with that key is the returned text. The CGEE level-1 decision on the same
-vote (confidence-weighted share ``p`` and ``lead``, ``rksc_engine.cgee.should_skip``) is reported:
-``skipped=True`` means the vote is decisive enough that verification is unnecessary. No verifier runs
-in the adapter, so an undecided vote still returns the majority answer; the report says so.
+``normalise_answer``: lower-cased, whitespace collapsed, surrounding punctuation removed) and voted
+with confidence weights. The vote then goes through the engine's CGEE pipeline
+(``rksc_engine.reasoning.verify_and_pick``): level 1 skips the verifier when the weighted winner's
+share ``p >= tau_conf`` and its lead ``>= margin``; otherwise the verifier scores every voted answer
+(by default the engine judging itself, Yes/No, over the call's own prompt, with CGEE level 2 layer
+exit when ``CGEEConfig.exit_enabled``) and the answer with the largest ``share x score`` wins. The
+returned text is the most confident branch with the winning key. ``verifier=None`` votes only.
 
 ``RKSCBranchQueryEngine`` wraps any query engine and puts every decision made while answering a
 query into ``response.metadata["rksc"]``.
@@ -19,7 +20,7 @@ import contextvars
 import re
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -29,11 +30,18 @@ from llama_index.core.schema import QueryBundle
 
 from rksc_engine.answers import majority_vote
 from rksc_engine.cgee import CGEEConfig, should_skip, summarise_votes
+from rksc_engine.reasoning import BranchAnswer, VerificationReport, verify_and_pick
 from rksc_engine.types import Completion
+from rksc_engine.verifier import CallableVerifier, LLMJudgeVerifier, Verifier
 
 AnswerKey = Callable[[str], "str | None"]
 _SPACE = re.compile(r"\s+")
 _STRIP = string.punctuation + string.whitespace + "\u201c\u201d\u2018\u2019"
+
+# The judge for free-text answers: the question is the call's whole prompt (context included), so
+# the model checks the answer against what it was given.
+JUDGE_SYSTEM_PROMPT = "You check answers to questions about the given information. Reply with Yes or No only."
+JUDGE_TEMPLATE = "{question}\n\nProposed answer: {answer}\nIs the proposed answer correct?"
 
 # Set by RKSCBranchQueryEngine for the duration of one query; RKSCLLM appends its decisions here.
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("rksc_branch_decisions", default=None)
@@ -46,20 +54,47 @@ def normalise_answer(text: str) -> str | None:
     return key or None
 
 
+def make_verifier(engine: Any, verifier: Any) -> Verifier | None:
+    """The verifier of ``RKSCLLM(verifier=...)``: ``"judge"`` (the engine as a Yes/No judge over the
+    prompt), a ``Verifier``, a callable ``fn(question, candidates) -> scores``, or None (vote only).
+
+    Raises:
+        TypeError: Anything else.
+    """
+    if verifier is None:
+        return None
+    if isinstance(verifier, str):
+        if verifier != "judge":
+            raise ValueError(f"verifier must be 'judge', a Verifier, a callable or None, got {verifier!r}")
+        return LLMJudgeVerifier(engine, system_prompt=JUDGE_SYSTEM_PROMPT, template=JUDGE_TEMPLATE)
+    if isinstance(verifier, Verifier):
+        return verifier
+    if callable(verifier):
+        return CallableVerifier(verifier)
+    raise TypeError(f"verifier must be 'judge', a Verifier, a callable or None, got {type(verifier).__name__}")
+
+
 @dataclass(frozen=True)
 class BranchDecision:
-    """What self-consistency decided for one multi-branch call.
+    """What self-consistency and CGEE decided for one multi-branch call.
 
     Attributes:
         num_branches: Branches generated.
         answer: The winning answer key (None when no branch produced an answer).
         votes: Answer key -> branch count.
-        chosen_branch: Index of the branch whose text is returned.
-        cgee_skipped: CGEE level 1 says the vote is decisive enough to skip verification.
+        chosen_branch: Index of the branch whose text is returned (the most confident with ``answer``).
+        cgee_skipped: CGEE level 1 found the vote decisive and skipped verification.
         cgee_reason: Why, with the thresholds.
-        p: The confidence-weighted share of the CGEE winner.
+        p: The confidence-weighted share of the vote winner.
         lead: Its lead over the runner-up.
-        verified: Whether a verifier ran (always False here: the adapter has none).
+        verified: Whether the verifier ran.
+        scores: Answer key -> verifier score (empty unless verified).
+        exit_layers: Per verified answer, the 0-based judge layer its pass stopped at (None: no layers).
+        num_layers: Decoder layers of the judge model, when it has them.
+        layers_saved: Judge layers not run thanks to CGEE level 2, summed over answers.
+        verify_s: Wall time spent verifying.
+        time_saved_s: CGEE's estimate of verifier time saved against full verification (see
+            ``rksc_engine.reasoning.VerificationReport``); None when it cannot be estimated yet.
     """
 
     num_branches: int
@@ -71,24 +106,53 @@ class BranchDecision:
     p: float
     lead: float
     verified: bool = False
+    scores: dict[str, float] = field(default_factory=dict)
+    exit_layers: list[int | None] = field(default_factory=list)
+    num_layers: int | None = None
+    layers_saved: int = 0
+    verify_s: float = 0.0
+    time_saved_s: float | None = 0.0
+
+    @property
+    def exited_early(self) -> bool:
+        """Whether some verifier pass stopped before the judge model's last layer."""
+        return self.num_layers is not None and any(
+            layer is not None and layer < self.num_layers - 1 for layer in self.exit_layers
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def decide(completions: Sequence[Completion], answer_key: AnswerKey, cgee: CGEEConfig) -> BranchDecision:
-    """Vote over ``completions`` and pick the branch to return (see the module docstring)."""
+def decide(
+    completions: Sequence[Completion], answer_key: AnswerKey, cgee: CGEEConfig,
+    *, question: str = "", verifier: Verifier | None = None,
+) -> BranchDecision:
+    """Vote over ``completions``, verify unless CGEE skips, and pick the branch to return (see the
+    module docstring). Without a verifier the confidence-weighted vote winner is the answer.
+
+    Raises:
+        Whatever the verifier raises; the engine stays usable (the judge cleans up after itself).
+    """
     keys = [answer_key(c.text) for c in completions]
-    answer, votes = majority_vote(keys)
-    summary = summarise_votes(keys, [c.confidence for c in completions])
-    skipped, reason = should_skip(summary, cgee)
-    if answer is None:
-        chosen = 0
+    _, votes = majority_vote(keys)
+    if verifier is None:
+        summary = summarise_votes(keys, [c.confidence for c in completions])
+        skipped, reason = should_skip(summary, cgee)
+        answer = summary.winner
+        report = VerificationReport(skipped=skipped, reason=reason, p=summary.p, lead=summary.lead)
     else:
+        branches = [BranchAnswer(c.text, k, c.confidence) for c, k in zip(completions, keys)]
+        answer, report, _ = verify_and_pick(question, branches, verifier, cgee)
+    chosen = 0
+    if answer is not None:
         chosen = max((i for i, k in enumerate(keys) if k == answer), key=lambda i: completions[i].confidence)
     return BranchDecision(
         num_branches=len(completions), answer=answer, votes=dict(votes), chosen_branch=chosen,
-        cgee_skipped=skipped, cgee_reason=reason, p=summary.p, lead=summary.lead,
+        cgee_skipped=report.skipped, cgee_reason=report.reason, p=report.p, lead=report.lead,
+        verified=bool(report.scores), scores={s.answer: s.score for s in report.scores},
+        exit_layers=list(report.exit_layers), num_layers=report.num_layers, layers_saved=report.layers_saved,
+        verify_s=report.verify_s, time_saved_s=getattr(report, "time_saved_s", None),
     )
 
 

@@ -4,14 +4,15 @@ Each class subclasses ``BaseEvent``, so any handler added to the root dispatcher
 (``get_dispatcher().add_event_handler(handler)``) receives them next to LlamaIndex's own LLM events,
 with the ``span_id`` of the LLM call that caused them.
 
-Emitted today: ``RKSCCacheReuseEvent`` (every call), ``RKSCBranchVoteEvent`` (every multi-branch
-call) and ``RKSCCGEESkipEvent`` (every multi-branch call, skipped or not). ``RKSCEarlyExitEvent`` is
-emitted when a verifier pass reports exit layers; ``RKSCASKSReuseEvent`` is defined so handlers can
-be written now, and is emitted once the engine reports ASKS reuse.
+Emitted: ``RKSCCacheReuseEvent`` (every call); ``RKSCASKSReuseEvent`` (every call whose completion
+carries an ASKS decision); on a multi-branch call ``RKSCBranchVoteEvent``, ``RKSCCGEESkipEvent``
+(skipped or not), ``RKSCVerificationEvent`` (when the verifier ran) and ``RKSCEarlyExitEvent`` (when a
+verifier pass stopped before the judge model's last layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -111,26 +112,64 @@ class RKSCEarlyExitEvent(BaseEvent):
         return "RKSCEarlyExitEvent"
 
 
-class RKSCASKSReuseEvent(BaseEvent):
-    """ASKS reuse: state shared across branches or calls instead of recomputed.
-
-    Not emitted yet: the engine does not report ASKS reuse. The fields are the minimum a handler
-    needs (what was reused and how much); ``detail`` carries whatever else the engine reports.
+class RKSCVerificationEvent(BaseEvent):
+    """The verifier's scores for the voted answers of one multi-branch call (CGEE did not skip).
 
     Attributes:
-        num_reused_tokens: Tokens whose state was reused.
-        detail: Engine-specific extra counters.
+        answer: The answer picked (vote share times verifier score).
+        scores: Candidate answer -> verifier score in [0, 1].
+        verify_s: Wall time spent verifying.
     """
 
-    num_reused_tokens: int
+    answer: str | None
+    scores: dict[str, float]
+    verify_s: float = 0.0
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RKSCVerificationEvent"
+
+
+class RKSCASKSReuseEvent(BaseEvent):
+    """ASKS: a prompt that realigned with a cached sequence after a differing span, and whether the
+    cached KV of the remainder was reused (approximate) or recomputed.
+
+    Built from ``Completion.asks`` (``rksc_engine.types.ASKSDecision``).
+
+    Attributes:
+        reused: Whether the cached remainder's KV was reused.
+        sigma: Layer-weighted hidden-state similarity of the two differing spans.
+        tau: The threshold ``sigma`` was compared with.
+        num_reused_tokens: Prompt tokens served reused KV.
+        num_recomputed_tokens: Remainder tokens computed instead.
+        detail: Every field of the decision.
+    """
+
+    reused: bool
+    sigma: float | None = None
+    tau: float | None = None
+    num_reused_tokens: int = 0
+    num_recomputed_tokens: int = 0
     detail: dict[str, Any] = {}
+
+    @classmethod
+    def from_decision(cls, decision: Any) -> RKSCASKSReuseEvent:
+        detail = dataclasses.asdict(decision) if dataclasses.is_dataclass(decision) else dict(vars(decision))
+        return cls(
+            reused=bool(getattr(decision, "reused", False)), sigma=getattr(decision, "sigma", None),
+            tau=getattr(decision, "tau", None), num_reused_tokens=int(getattr(decision, "reused_tokens", 0)),
+            num_recomputed_tokens=int(getattr(decision, "recomputed_tokens", 0)), detail=detail,
+        )
 
     @classmethod
     def class_name(cls) -> str:
         return "RKSCASKSReuseEvent"
 
 
-RKSC_EVENT_TYPES = (RKSCCacheReuseEvent, RKSCBranchVoteEvent, RKSCCGEESkipEvent, RKSCEarlyExitEvent, RKSCASKSReuseEvent)
+RKSC_EVENT_TYPES = (
+    RKSCCacheReuseEvent, RKSCBranchVoteEvent, RKSCCGEESkipEvent, RKSCVerificationEvent, RKSCEarlyExitEvent,
+    RKSCASKSReuseEvent,
+)
 
 
 def emit(event: BaseEvent) -> None:

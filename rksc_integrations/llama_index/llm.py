@@ -13,14 +13,25 @@ What differs, on purpose:
       questions) cheap; each call reports its reuse as an ``RKSCCacheReuseEvent`` and in the
       response's ``additional_kwargs``.
     * Async methods run the engine in a worker thread, so the event loop is never blocked.
-    * Tool calls (``chat_with_tools``, agents) use the ``<tool_call>`` JSON convention, see
-      ``rksc_integrations.llama_index.messages``.
-    * ``branches=n`` answers by self-consistency, see ``rksc_integrations.llama_index.branches``.
+    * Tools (``chat(tools=...)``, ``chat_with_tools``, agents) go through ``rksc_engine.tools``: the
+      template's ``tools=`` when it takes them, the ``<tool_call>`` system-prompt protocol otherwise.
+      A call the model starts, or one that is required (``tool_required=True``), is decoded under
+      the tool's schema, so its arguments are valid JSON of the right types even on a 135M model.
+    * ``structured_predict`` decodes the answer under the output class's JSON schema (the same
+      constrained decoder), whatever ``is_function_calling_model`` says.
+    * ``branches=n`` answers by verified self-consistency, see ``rksc_integrations.llama_index.branches``.
+
+``is_function_calling_model`` defaults to whether the chat template takes tools: that is the sign a
+model was trained to choose tools. SmolLM2's template does not, so LlamaIndex agents use ReAct with it
+unless you set the field; the tool protocol and constrained calls work either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -38,25 +49,61 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from llama_index.core.types import PydanticProgramMode
 
 from rksc_engine import Completion, RKSCEngine, SamplingParams
+from rksc_engine import tools as tool_protocol
 from rksc_engine.cgee import CGEEConfig
+from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
-from .branches import AnswerKey, BranchDecision, current_collector, decide, normalise_answer
-from .events import RKSCBranchVoteEvent, RKSCCacheReuseEvent, RKSCCGEESkipEvent, emit
-from .messages import parse_tool_calls, to_engine_messages, tool_system_prompt
+from .branches import AnswerKey, BranchDecision, current_collector, decide, make_verifier, normalise_answer
+from .events import (
+    RKSCASKSReuseEvent,
+    RKSCBranchVoteEvent,
+    RKSCCacheReuseEvent,
+    RKSCCGEESkipEvent,
+    RKSCEarlyExitEvent,
+    RKSCVerificationEvent,
+    dispatcher,
+    emit,
+)
+from .messages import to_engine_messages, to_tool_call_blocks
 
 if TYPE_CHECKING:
+    from llama_index.core.prompts.base import BasePromptTemplate
     from llama_index.core.tools.types import BaseTool
 
 # Per-call keyword arguments that override the fields of the same name.
 GENERATION_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "branches")
+# Constrained values are short; a runaway string value stops here.
+MAX_CONSTRAINED_VALUE_TOKENS = 64
 
-EnginePrompt = str | list[dict[str, str]]
+EnginePrompt = str | list[dict[str, Any]] | list[int]
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One call's engine prompt and what its answer must be: free text, maybe a tool call, or JSON."""
+
+    prompt: EnginePrompt
+    tools: ToolRequest | None = None
+    output_schema: dict[str, Any] | None = None
+
+
+@dataclass
+class _Piece:
+    """A streamed piece; the last one of a call carries the completion (its accounting) and calls."""
+
+    delta: str
+    text: str
+    completion: Completion | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class RKSCLLM(FunctionCallingLLM):
@@ -82,7 +129,9 @@ class RKSCLLM(FunctionCallingLLM):
         "the text is cut before it and it never appears in a stream.",
     )
     seed: int | None = Field(default=None, description="Seed of branch 0 (branch i uses seed + i); None = fresh per call.")
-    branches: int = Field(default=1, description="Branches per call; > 1 answers by self-consistency.", ge=1)
+    branches: int = Field(
+        default=1, description="Branches per call; > 1 answers by verified self-consistency (tool calls use one).", ge=1
+    )
     branch_temperature: float = Field(
         default=0.7, description="Temperature used when branches > 1 and temperature is 0 (greedy branches would be identical).", gt=0
     )
@@ -90,14 +139,25 @@ class RKSCLLM(FunctionCallingLLM):
         default=normalise_answer, exclude=True,
         description="Maps a branch's text to the answer it votes for (None: no vote). Default normalise_answer.",
     )
-    cgee: CGEEConfig = Field(default_factory=CGEEConfig, exclude=True, description="Thresholds of the CGEE skip decision.")
+    verifier: Any = Field(
+        default="judge", exclude=True,
+        description="Scores the voted answers when CGEE does not skip: 'judge' (the engine as a Yes/No judge over the "
+        "call's prompt), a rksc Verifier, a callable fn(question, candidates) -> scores, or None (vote only).",
+    )
+    cgee: CGEEConfig | None = Field(
+        default=None, exclude=True, description="CGEE thresholds (skip and layer exit); None: the engine's EngineConfig.cgee."
+    )
     context_window: int | None = Field(default=None, description="Override of the model's context window.")
     is_chat_model: bool | None = Field(
         default=None, description="Route query-engine prompts through chat(); default: the tokenizer has a chat template."
     )
-    is_function_calling_model: bool = Field(default=True, description="Advertise tool calling to LlamaIndex agents.")
+    is_function_calling_model: bool | None = Field(
+        default=None,
+        description="Advertise native tool calling to LlamaIndex agents; default: the chat template takes tools.",
+    )
 
     _engine: RKSCEngine = PrivateAttr()
+    _verifier: Any = PrivateAttr(default=None)
 
     def __init__(self, engine: RKSCEngine | None = None, model: str | None = None, **fields: Any) -> None:
         if engine is not None and model is not None:
@@ -106,7 +166,10 @@ class RKSCLLM(FunctionCallingLLM):
             raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
         super().__init__(**fields)
         self._params({})  # a bad field combination fails here, not at the first call
+        if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
+            raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
         self._engine = engine if engine is not None else RKSCEngine.from_pretrained(model, progress=False)
+        self._verifier = make_verifier(self._engine, self.verifier)
 
     @classmethod
     def class_name(cls) -> str:
@@ -118,11 +181,14 @@ class RKSCLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        function_calling = self.is_function_calling_model
+        if function_calling is None:
+            function_calling = tool_protocol.template_takes_tools(self._engine.tokenizer)
         return LLMMetadata(
             context_window=self.context_window or self._engine.context_window,
             num_output=self.max_new_tokens,
             is_chat_model=self._has_chat_template() if self.is_chat_model is None else self.is_chat_model,
-            is_function_calling_model=self.is_function_calling_model,
+            is_function_calling_model=function_calling,
             model_name=self._engine.model_name,
         )
 
@@ -130,35 +196,42 @@ class RKSCLLM(FunctionCallingLLM):
     def _has_chat_template(self) -> bool:
         return bool(getattr(self._engine.tokenizer, "chat_template", None))
 
-    def _completion_prompt(self, prompt: str, formatted: bool) -> EnginePrompt:
+    def _completion_prompt(self, prompt: str, formatted: bool) -> _Prompt:
         """The one formatting of a completion prompt, shared by every complete path."""
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt.strip():
             raise ValueError("prompt must be a non-empty string")
         if formatted:
-            return prompt
+            return _Prompt(prompt)
         if self.completion_to_prompt is not default_completion_to_prompt:
-            return self.completion_to_prompt(prompt)
+            return _Prompt(self.completion_to_prompt(prompt))
         if self._has_chat_template():
             # An instruct model answers a bare prompt best as a user turn of its own template.
-            return to_engine_messages([ChatMessage(role=MessageRole.USER, content=prompt)], self.system_prompt)
-        return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
+            return _Prompt(to_engine_messages([ChatMessage(role=MessageRole.USER, content=prompt)], self.system_prompt))
+        return _Prompt(f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt)
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None) -> EnginePrompt:
-        engine_messages = to_engine_messages(messages, self.system_prompt)
-        if tools:
-            offer = tool_system_prompt([_tool_schema(t) for t in tools])
-            if engine_messages[0]["role"] == "system":
-                engine_messages[0] = {"role": "system", "content": engine_messages[0]["content"] + "\n\n" + offer}
-            else:
-                engine_messages.insert(0, {"role": "system", "content": offer})
+    def _chat_prompt(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
+        tool_choice: Any = None, output_schema: dict[str, Any] | None = None,
+    ) -> _Prompt:
+        request = ToolRequest.build([_tool_schema(t) for t in tools or ()], "any" if tool_required else tool_choice)
+        engine_messages, template_kwargs = tool_protocol.offer_tools(
+            to_engine_messages(messages, self.system_prompt), request, self._engine.tokenizer
+        )
+        if output_schema is not None:
+            engine_messages = tool_protocol.add_system_text(engine_messages, tool_protocol.json_instruction(output_schema))
         if self.messages_to_prompt is not generic_messages_to_prompt:
             # A user-supplied formatter wins; it sees LlamaIndex messages, as it expects.
-            return self.messages_to_prompt([ChatMessage(role=m["role"], content=m["content"]) for m in engine_messages])
-        if self._has_chat_template():
-            return engine_messages
-        return generic_messages_to_prompt([ChatMessage(role=m["role"], content=m["content"]) for m in engine_messages])
+            prompt: EnginePrompt = self.messages_to_prompt(_llama_messages(engine_messages))
+        elif not self._has_chat_template():
+            prompt = generic_messages_to_prompt(_llama_messages(engine_messages))
+        elif template_kwargs:  # the template renders the tools itself
+            text = self._engine.render_chat(engine_messages, **template_kwargs)
+            prompt = list(self._engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            prompt = engine_messages
+        return _Prompt(prompt, request, output_schema)
 
     # -- generation core ------------------------------------------------------------------------
     def _params(self, kwargs: dict[str, Any]) -> tuple[SamplingParams, int]:
@@ -175,19 +248,30 @@ class RKSCLLM(FunctionCallingLLM):
         merged["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         return SamplingParams(**merged), n
 
-    def _report(self, completion: Completion, n: int) -> dict[str, Any]:
+    def _cgee(self) -> CGEEConfig:
+        if self.cgee is not None:
+            return self.cgee
+        return getattr(self._engine.config, "cgee", None) or CGEEConfig()
+
+    def _report(self, completion: Completion, n: int, num_generated_tokens: int | None = None) -> dict[str, Any]:
         stats = self._engine.stats()
         emit(RKSCCacheReuseEvent(
             model_name=self._engine.model_name, num_prompt_tokens=completion.num_prompt_tokens,
             num_cached_tokens=completion.num_cached_tokens, num_branches=n,
             cache_tokens=stats.cache_tokens, cache_bytes=stats.cache_bytes,
         ))
-        return {
+        extra = {
             "prompt_tokens": completion.num_prompt_tokens,
             "cached_tokens": completion.num_cached_tokens,
-            "completion_tokens": completion.num_generated_tokens,
+            "completion_tokens": completion.num_generated_tokens if num_generated_tokens is None else num_generated_tokens,
             "finish_reason": completion.finish_reason,
         }
+        asks = getattr(completion, "asks", None)  # the engine's ASKS decision for this prompt, if it acted
+        if asks is not None:
+            event = RKSCASKSReuseEvent.from_decision(asks)
+            emit(event)
+            extra["rksc_asks"] = event.detail
+        return extra
 
     def _report_decision(self, decision: BranchDecision) -> None:
         emit(RKSCBranchVoteEvent(
@@ -195,70 +279,123 @@ class RKSCLLM(FunctionCallingLLM):
             chosen_branch=decision.chosen_branch,
         ))
         emit(RKSCCGEESkipEvent(skipped=decision.cgee_skipped, reason=decision.cgee_reason, p=decision.p, lead=decision.lead))
+        if decision.verified:
+            emit(RKSCVerificationEvent(answer=decision.answer, scores=decision.scores, verify_s=decision.verify_s))
+        if decision.exited_early:
+            emit(RKSCEarlyExitEvent(
+                exit_layers=decision.exit_layers, num_layers=decision.num_layers, layers_saved=decision.layers_saved
+            ))
 
-    def _generate(
-        self, prompt: EnginePrompt, kwargs: dict[str, Any], collector: list | None = None
-    ) -> tuple[Completion, dict[str, Any]]:
-        """One call; a multi-branch decision is appended to ``collector`` (the running
-        ``RKSCBranchQueryEngine``'s list, captured by the caller in the caller's context)."""
+    def _generate(self, prompt: _Prompt, kwargs: dict[str, Any], collector: list | None = None) -> _Piece:
+        """One call, as its final piece; a multi-branch decision is appended to ``collector`` (the
+        running ``RKSCBranchQueryEngine``'s list, captured by the caller in the caller's context)."""
         params, n = self._params(kwargs)
+        if prompt.tools is not None or prompt.output_schema is not None:
+            params, _ = self._params({**kwargs, "branches": 1})  # one branch, at the call's own temperature
+            if prompt.output_schema is not None or prompt.tools.forced:
+                return self._constrained(prompt, params)
+            completion = self._engine.generate(prompt.prompt, _with_tool_stop(params))
+            return self._free_tool_turn(prompt, params, completion)
         if n == 1:
-            completion = self._engine.generate(prompt, params)
-            return completion, self._report(completion, 1)
-        completions = self._engine.generate_branches(prompt, n, params)
-        decision = decide(completions, self.answer_key, self.cgee)
+            completion = self._engine.generate(prompt.prompt, params)
+            return _Piece(completion.text, completion.text, completion, self._report(completion, 1))
+        completions = self._engine.generate_branches(prompt.prompt, n, params)
+        decision = decide(
+            completions, self.answer_key, self._cgee(), question=self._question(prompt.prompt), verifier=self._verifier
+        )
         completion = completions[decision.chosen_branch]
         extra = self._report(completion, n)
         self._report_decision(decision)
         extra["rksc_branches"] = decision.as_dict()
         if collector is not None:
             collector.append(decision.as_dict())
-        return completion, extra
+        return _Piece(completion.text, completion.text, completion, extra)
 
-    def _stream(self, prompt: EnginePrompt, kwargs: dict[str, Any]) -> Iterator[tuple[str, str, Completion | None, dict]]:
-        """Yields ``(delta, text so far, completion or None, extra)``; the last item has the completion.
+    def _constrained(self, prompt: _Prompt, params: SamplingParams, free: Completion | None = None) -> _Piece:
+        """A tool call (after the free text ``free`` that started it, if any) or a JSON answer,
+        decoded under its schema by ``rksc_engine.tools``."""
+        value_params = dataclasses.replace(
+            params, max_new_tokens=min(params.max_new_tokens, MAX_CONSTRAINED_VALUE_TOKENS), stop=()
+        )
+        prompt_ids = self._engine.encode(prompt.prompt)
+        result: ConstrainedResult
+        if prompt.output_schema is not None:
+            result = tool_protocol.decode_json(self._engine, prompt_ids, value_params, prompt.output_schema)
+        else:
+            result = tool_protocol.decode_tool_call(self._engine, prompt_ids, value_params, prompt.tools, free=free)
+        extra = self._report(result.completion, 1, result.num_generated_tokens)
+        extra["finish_reason"] = result.finish_reason
+        extra["constrained"] = True
+        delta = result.text if free is None else ""
+        return _Piece(delta, result.text, result.completion, extra, result.tool_calls)
 
-        Everything, including the events, runs in the iterating thread, so an async consumer that
-        drains this in a worker never touches the engine from the event loop.
+    def _free_tool_turn(self, prompt: _Prompt, params: SamplingParams, completion: Completion) -> _Piece:
+        """A free generation with tools offered: a call it started is finished under the schema; a
+        call written out in full anyway (a model ignoring the stop) is parsed from the text."""
+        if tool_protocol.stopped_at_tool_call(self._engine.tokenizer, completion):
+            return self._constrained(prompt, params, free=completion)
+        prose, calls = tool_protocol.parse_tool_calls(completion.text)
+        return _Piece(completion.text, prose, completion, self._report(completion, 1), tuple(calls))
+
+    def _question(self, prompt: EnginePrompt) -> str:
+        """What the judge is asked about: the prompt's text without its system turn."""
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], dict):
+            return "\n\n".join(m["content"] for m in prompt if m["role"] != "system")
+        return self._engine.tokenizer.decode(list(prompt), skip_special_tokens=True)
+
+    def _stream(self, prompt: _Prompt, kwargs: dict[str, Any]) -> Iterator[_Piece]:
+        """Pieces of one call; the last carries the completion.
+
+        Everything, including the events and any constrained tool call, runs in the iterating
+        thread, so an async consumer that drains this in a worker never touches the engine from the
+        event loop.
         """
         params, n = self._params(kwargs)  # checked before the first next(), like the engine does
+        if prompt.tools is not None:
+            params, _ = self._params({**kwargs, "branches": 1})  # tool turns decode one branch
         collector = current_collector()
-        if n > 1:
-            # A vote needs every branch finished, so a multi-branch answer arrives as one piece.
-            def voted() -> Iterator[tuple[str, str, Completion | None, dict]]:
-                completion, extra = self._generate(prompt, kwargs, collector)
-                yield completion.text, completion.text, completion, extra
+        constrained = prompt.output_schema is not None or (prompt.tools is not None and prompt.tools.forced)
+        if constrained or (n > 1 and prompt.tools is None):
+            # A vote needs every branch finished, and a constrained answer is written by the decoder,
+            # so either arrives as one piece.
+            def whole() -> Iterator[_Piece]:
+                yield self._generate(prompt, kwargs, collector)
 
-            return voted()
-        chunks = self._engine.stream(prompt, params)
+            return whole()
+        chunks = self._engine.stream(prompt.prompt, _with_tool_stop(params) if prompt.tools else params)
 
-        def pieces() -> Iterator[tuple[str, str, Completion | None, dict]]:
+        def pieces() -> Iterator[_Piece]:
             text = ""
             for chunk in chunks:
                 text += chunk.text
-                if chunk.completion is not None:
-                    yield chunk.text, text, chunk.completion, self._report(chunk.completion, 1)
-                elif chunk.text:
-                    yield chunk.text, text, None, {}
+                if chunk.completion is None:
+                    if chunk.text:
+                        yield _Piece(chunk.text, text)
+                    continue
+                if prompt.tools is not None:
+                    last = self._free_tool_turn(prompt, params, chunk.completion)
+                    yield dataclasses.replace(last, delta=chunk.text, text=text if not last.tool_calls else last.text)
+                else:
+                    yield _Piece(chunk.text, text, chunk.completion, self._report(chunk.completion, 1))
 
         return pieces()
 
     # -- completion endpoints -------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        completion, extra = self._generate(self._completion_prompt(prompt, formatted), kwargs, current_collector())
-        return CompletionResponse(text=completion.text, raw={"completion": completion}, additional_kwargs=extra)
+        return _completion_response(self._generate(self._completion_prompt(prompt, formatted), kwargs, current_collector()))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         pieces = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-        return (_completion_response(*piece) for piece in pieces)
+        return (_completion_response(piece) for piece in pieces)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         engine_prompt = self._completion_prompt(prompt, formatted)
-        completion, extra = await run_in_thread(self._generate, engine_prompt, kwargs, current_collector())
-        return CompletionResponse(text=completion.text, raw={"completion": completion}, additional_kwargs=extra)
+        return _completion_response(await run_in_thread(self._generate, engine_prompt, kwargs, current_collector()))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -267,41 +404,94 @@ class RKSCLLM(FunctionCallingLLM):
 
         async def gen() -> AsyncIterator[CompletionResponse]:
             async for piece in iterate_in_thread(lambda: self._stream(engine_prompt, kwargs)):
-                yield _completion_response(*piece)
+                yield _completion_response(piece)
 
         return gen()
 
     # -- chat endpoints -------------------------------------------------------------------------
     @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, **kwargs: Any) -> ChatResponse:
-        """Chat through the model's chat template. ``tools`` (LlamaIndex tools or JSON schemas) are
-        offered in the system message, and ``<tool_call>`` blocks in the reply become ``ToolCallBlock``s."""
-        completion, extra = self._generate(self._chat_prompt(messages, tools), kwargs, current_collector())
-        return _chat_response(completion.text, completion.text, completion, extra, bool(tools))
+    def chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
+        tool_choice: Any = None, output_schema: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> ChatResponse:
+        """Chat through the model's chat template.
+
+        Args:
+            messages: The conversation; tool calls in it are rendered back for the model.
+            tools: LlamaIndex tools or JSON schema dicts to offer; the reply's calls become ``ToolCallBlock``s.
+            tool_required: A tool call must be made (decoded under the schema from the first token).
+            tool_choice: A tool name to force, ``"auto"``, ``"any"`` or ``"none"``.
+            output_schema: A JSON schema the reply must follow; the content is then its JSON.
+            **kwargs: Generation fields for this call.
+        """
+        engine_prompt = self._chat_prompt(messages, tools, tool_required, tool_choice, output_schema)
+        return _chat_response(self._generate(engine_prompt, kwargs, current_collector()))
 
     @llm_chat_callback()
-    def stream_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, **kwargs: Any) -> ChatResponseGen:
-        pieces = self._stream(self._chat_prompt(messages, tools), kwargs)
-        return (_chat_response(*piece, parse_tools=bool(tools)) for piece in pieces)
+    def stream_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
+        tool_choice: Any = None, output_schema: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> ChatResponseGen:
+        pieces = self._stream(self._chat_prompt(messages, tools, tool_required, tool_choice, output_schema), kwargs)
+        return (_chat_response(piece) for piece in pieces)
 
     @llm_chat_callback()
-    async def achat(self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, **kwargs: Any) -> ChatResponse:
-        engine_prompt = self._chat_prompt(messages, tools)
-        completion, extra = await run_in_thread(self._generate, engine_prompt, kwargs, current_collector())
-        return _chat_response(completion.text, completion.text, completion, extra, bool(tools))
+    async def achat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
+        tool_choice: Any = None, output_schema: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> ChatResponse:
+        engine_prompt = self._chat_prompt(messages, tools, tool_required, tool_choice, output_schema)
+        return _chat_response(await run_in_thread(self._generate, engine_prompt, kwargs, current_collector()))
 
     @llm_chat_callback()
     async def astream_chat(
-        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, **kwargs: Any
+        self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
+        tool_choice: Any = None, output_schema: dict[str, Any] | None = None, **kwargs: Any,
     ) -> ChatResponseAsyncGen:
-        engine_prompt = self._chat_prompt(messages, tools)
+        engine_prompt = self._chat_prompt(messages, tools, tool_required, tool_choice, output_schema)
         self._params(kwargs)
 
         async def gen() -> AsyncIterator[ChatResponse]:
             async for piece in iterate_in_thread(lambda: self._stream(engine_prompt, kwargs)):
-                yield _chat_response(*piece, parse_tools=bool(tools))
+                yield _chat_response(piece)
 
         return gen()
+
+    # -- structured output ----------------------------------------------------------------------
+    @dispatcher.span
+    def structured_predict(
+        self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> Any:
+        """An ``output_cls`` instance decoded under its JSON schema (``rksc_engine.tools.decode_json``).
+
+        With ``pydantic_program_mode`` other than DEFAULT, LlamaIndex's own program for that mode runs.
+
+        Raises:
+            pydantic.ValidationError: A constraint the decoder does not enforce (a string pattern,
+                a length bound) rejects the decoded value.
+        """
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        response = self.chat(messages, output_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        result = output_cls.model_validate(json.loads(response.message.content))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(
+        self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> Any:
+        """``structured_predict`` in a worker thread."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        response = await self.achat(messages, output_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        result = output_cls.model_validate(json.loads(response.message.content))
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
 
     # -- function calling -----------------------------------------------------------------------
     def _prepare_chat_with_tools(
@@ -318,8 +508,8 @@ class RKSCLLM(FunctionCallingLLM):
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
         # OpenAI-style options have no meaning for a local template; generation options pass through.
-        options = {k: v for k, v in kwargs.items() if k in GENERATION_KWARGS}
-        return {"messages": messages, "tools": list(tools), **options}
+        options = {k: v for k, v in kwargs.items() if k in (*GENERATION_KWARGS, "tool_choice")}
+        return {"messages": messages, "tools": list(tools), "tool_required": tool_required, **options}
 
     def _validate_chat_with_tools_response(
         self, response: ChatResponse, tools: Sequence[BaseTool], allow_parallel_tool_calls: bool = False, **kwargs: Any
@@ -344,30 +534,35 @@ class RKSCLLM(FunctionCallingLLM):
 
 
 def _tool_schema(tool: Any) -> dict[str, Any]:
+    """A LlamaIndex tool (or a schema dict) as the function dict ``rksc_engine.tools`` takes."""
     if isinstance(tool, dict):
-        if not isinstance(tool.get("name"), str):
-            raise ValueError(f"a tool schema dict needs a string 'name', got {tool!r}")
-        return tool
+        return tool_protocol.function_spec(tool)
     metadata = getattr(tool, "metadata", None)
     if metadata is None or not hasattr(metadata, "get_parameters_dict"):
         raise TypeError(f"tools must be LlamaIndex tools or JSON schema dicts, got {type(tool).__name__}")
     return {"name": metadata.get_name(), "description": metadata.description, "parameters": metadata.get_parameters_dict()}
 
 
-def _completion_response(delta: str, text: str, completion: Completion | None, extra: dict) -> CompletionResponse:
-    return CompletionResponse(text=text, delta=delta, raw={"completion": completion} if completion else None,
-                              additional_kwargs=extra)
+def _with_tool_stop(params: SamplingParams) -> SamplingParams:
+    """``params`` with the tool-call opener as a stop, so a call the model starts is finished constrained."""
+    return dataclasses.replace(params, stop=(*params.stop, TOOL_CALL_OPEN))
 
 
-def _chat_response(
-    delta: str, text: str, completion: Completion | None, extra: dict, parse_tools: bool = False
-) -> ChatResponse:
-    blocks: list[Any] = [TextBlock(text=text)]
-    if parse_tools and completion is not None:
-        # Calls are parsed once the text is complete; partial JSON mid-stream is not a call yet.
-        prose, calls = parse_tool_calls(text)
-        blocks = ([TextBlock(text=prose)] if prose else []) + calls
+def _llama_messages(messages: Sequence[dict[str, Any]]) -> list[ChatMessage]:
+    return [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def _completion_response(piece: _Piece) -> CompletionResponse:
+    raw = {"completion": piece.completion} if piece.completion else None
+    return CompletionResponse(text=piece.text, delta=piece.delta, raw=raw, additional_kwargs=piece.extra)
+
+
+def _chat_response(piece: _Piece) -> ChatResponse:
+    blocks: list[Any] = [TextBlock(text=piece.text)]
+    if piece.tool_calls:
+        blocks = ([TextBlock(text=piece.text)] if piece.text else []) + to_tool_call_blocks(piece.tool_calls)
     return ChatResponse(
         message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks),
-        delta=delta, raw={"completion": completion} if completion else None, additional_kwargs=extra,
+        delta=piece.delta, raw={"completion": piece.completion} if piece.completion else None,
+        additional_kwargs=piece.extra,
     )

@@ -1,23 +1,21 @@
-"""LlamaIndex ``ChatMessage``s to the engine's chat dicts, and tool calls in and out of text.
+"""LlamaIndex ``ChatMessage``s to the engine's chat dicts, and engine tool calls to ``ToolCallBlock``s.
 
 The engine renders ``{"role", "content"}`` dicts with the model's chat template; its roles are
-system/user/assistant/tool, so LlamaIndex's extra roles are folded onto those.
-
-Tool calls use the Hermes/Qwen convention, which small instruct models have seen most: the tools'
-JSON schemas go into the system message, and the model answers
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A previous call in the history is
-rendered back the same way, so the model sees its own earlier calls in the format it is asked for.
+system/user/assistant/tool, so LlamaIndex's extra roles are folded onto those. An assistant
+message's calls (``ToolCallBlock``s, or OpenAI-shaped ``additional_kwargs["tool_calls"]`` from older
+agents) travel as ``tool_calls`` on its dict; ``rksc_engine.tools`` renders them for the template
+(natively, or as ``<tool_call>`` blocks in the text) together with the offered tools.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
+
+from rksc_engine import tools as tool_protocol
+from rksc_engine.tools import ToolCall
 
 _ROLE_MAP = {
     MessageRole.SYSTEM: "system",
@@ -30,16 +28,8 @@ _ROLE_MAP = {
     MessageRole.FUNCTION: "tool",
 }
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-TOOL_SYSTEM_PROMPT = (
-    "You can call functions. The available tools, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
-    "To call a tool, reply with one block per call and nothing else:\n"
-    '<tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>'
-)
-
-
-def to_engine_messages(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> list[dict[str, str]]:
+def to_engine_messages(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> list[dict[str, Any]]:
     """Engine chat dicts for ``messages``; ``system_prompt`` is prepended unless a system message exists.
 
     Raises:
@@ -50,14 +40,21 @@ def to_engine_messages(messages: Sequence[ChatMessage], system_prompt: str | Non
         raise TypeError(f"messages must be a list of ChatMessage, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages must not be empty")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, ChatMessage):
             raise TypeError(f"messages[{i}] must be a ChatMessage, got {type(message).__name__}")
         role = _ROLE_MAP.get(message.role)
         if role is None:
             raise ValueError(f"messages[{i}] has unsupported role {message.role!r}")
-        out.append({"role": role, "content": _message_text(message, i)})
+        entry: dict[str, Any] = {"role": role, "content": _message_text(message, i)}
+        calls = _tool_calls(message)
+        if calls:
+            entry["tool_calls"] = calls
+        call_id = message.additional_kwargs.get("tool_call_id")
+        if role == "tool" and call_id:
+            entry["tool_call_id"] = call_id
+        out.append(entry)
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
     return out
@@ -68,60 +65,34 @@ def _message_text(message: ChatMessage, index: int) -> str:
     for block in message.blocks:
         if isinstance(block, TextBlock):
             parts.append(block.text)
-        elif isinstance(block, ToolCallBlock):
-            parts.append(format_tool_call(block.tool_name, block.tool_kwargs))
-        else:
+        elif not isinstance(block, ToolCallBlock):
             raise ValueError(
                 f"messages[{index}] holds a {type(block).__name__}; this text-only model accepts text and tool calls"
             )
-    # Older agents keep calls in additional_kwargs (OpenAI shape) instead of blocks.
-    for call in message.additional_kwargs.get("tool_calls", []) or []:
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        if "name" in fn:
-            parts.append(format_tool_call(fn["name"], fn.get("arguments", {})))
     return "\n".join(parts)
 
 
-def format_tool_call(name: str, arguments: dict[str, Any] | str) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+def _tool_calls(message: ChatMessage) -> list[dict[str, Any]]:
+    """The message's calls in the OpenAI shape: its ``ToolCallBlock``s, then any that older agents
+    keep in ``additional_kwargs["tool_calls"]``."""
+    calls = [
+        {"id": b.tool_call_id, "type": "function", "function": {"name": b.tool_name, "arguments": b.tool_kwargs}}
+        for b in message.blocks if isinstance(b, ToolCallBlock)
+    ]
+    for call in message.additional_kwargs.get("tool_calls", []) or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        if "name" in fn:
+            calls.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}})
+    return calls
 
 
-def tool_system_prompt(tool_schemas: Sequence[dict[str, Any]]) -> str:
-    """The system text that offers ``tool_schemas`` (``{"name", "description", "parameters"}``)."""
-    return TOOL_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(s) for s in tool_schemas))
+def to_tool_call_blocks(calls: Sequence[ToolCall]) -> list[ToolCallBlock]:
+    return [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls]
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCallBlock]]:
-    """Split generated ``text`` into the prose outside ``<tool_call>`` blocks and the parsed calls.
-
-    A block whose body is not a JSON object with a string ``name`` is left in the prose, so a
-    malformed call is visible to the caller rather than silently dropped.
-    """
-    calls: list[ToolCallBlock] = []
-    prose: list[str] = []
-    last = 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            continue
-        arguments = body.get("arguments", body.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = {"input": arguments}
-        if not isinstance(arguments, dict):
-            arguments = {"input": arguments}
-        calls.append(ToolCallBlock(tool_call_id=f"call_{uuid.uuid4().hex[:12]}", tool_name=body["name"], tool_kwargs=arguments))
-        prose.append(text[last:match.start()])
-        last = match.end()
-    prose.append(text[last:])
-    return "".join(prose).strip() if calls else text, calls
+    """Split generated ``text`` into prose and ``ToolCallBlock``s (``rksc_engine.tools.parse_tool_calls``);
+    a malformed block stays in the prose."""
+    prose, calls = tool_protocol.parse_tool_calls(text)
+    return prose, to_tool_call_blocks(calls)

@@ -1,10 +1,12 @@
 """RKSCLLM on the real default model inside LlamaIndex: a VectorStoreIndex over documents the test
 writes, embedded offline by all-MiniLM-L6-v2, queried in compact and refine modes, streamed, and
-chatted with; the refine calls reuse the context the compact call cached."""
+chatted with; the refine calls reuse the context the compact call cached. Branch answering reports
+its CGEE decision, and structured output / required tool calls come out well formed."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel
 
 pytest.importorskip("llama_index.core")
 pytest.importorskip("llama_index.embeddings.huggingface")
@@ -14,10 +16,18 @@ from llama_index.core import SimpleDirectoryReader, VectorStoreIndex  # noqa: E4
 from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
+from llama_index.core.prompts import PromptTemplate  # noqa: E402
+from llama_index.core.tools import FunctionTool  # noqa: E402
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding  # noqa: E402
 
 from rksc_engine import RKSCEngine  # noqa: E402
-from rksc_integrations.llama_index import RKSCLLM, RKSCBranchQueryEngine, RKSCCacheReuseEvent  # noqa: E402
+from rksc_integrations.llama_index import (  # noqa: E402
+    RKSCLLM,
+    RKSCBranchQueryEngine,
+    RKSCCacheReuseEvent,
+    RKSCCGEESkipEvent,
+    RKSCVerificationEvent,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -122,5 +132,34 @@ def test_branch_answering_reports_the_vote_and_the_cgee_decision_in_the_response
     final = response.metadata["rksc"]["final"]
     assert final["num_branches"] == 3 and sum(final["votes"].values()) <= 3
     assert isinstance(final["cgee_skipped"], bool) and final["cgee_reason"]
+    # CGEE decides: either the vote was decisive and the judge was skipped, or the judge scored every answer.
+    assert final["verified"] is not final["cgee_skipped"]
+    if final["verified"]:
+        assert set(final["scores"]) == set(final["votes"]) and all(0 <= v <= 1 for v in final["scores"].values())
+        assert [e for e in recorder.events if isinstance(e, RKSCVerificationEvent)]
+    assert [e for e in recorder.events if isinstance(e, RKSCCGEESkipEvent)]
     assert response.response.strip()
     assert recorder.reuse()[-1].num_branches == 3
+
+
+class Keeper(BaseModel):
+    """Facts about the lighthouse keeper."""
+
+    name: str
+    steps: int
+
+
+def test_structured_predict_and_a_required_tool_call_are_well_formed_on_the_135m_model(engine):
+    llm = RKSCLLM(engine=engine, max_new_tokens=16)
+    prompt = PromptTemplate("{text}\nGive the keeper's name and how many steps they climb.")
+    keeper = llm.structured_predict(Keeper, prompt, text=DOCUMENTS["lighthouse.txt"])
+    assert isinstance(keeper, Keeper) and isinstance(keeper.steps, int)
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    response = llm.chat_with_tools([FunctionTool.from_defaults(fn=multiply)], user_msg="What is 6 times 7?", tool_required=True)
+    [call] = llm.get_tool_calls_from_response(response)
+    assert call.tool_name == "multiply" and all(type(v) is int for v in call.tool_kwargs.values())
+    assert set(call.tool_kwargs) == {"a", "b"}

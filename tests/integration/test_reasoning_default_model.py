@@ -67,3 +67,22 @@ def test_reason_on_the_default_model_returns_branches_votes_and_a_readable_repor
         assert result.answer in result.votes
         assert not report.skipped and len(report.scores) == len(result.votes)
         assert "score=" in report.summary()
+
+
+def test_the_recorded_lens_on_the_default_model_replays_the_online_exit_and_ends_at_the_full_scores(engine):
+    from rksc_engine.cgee import lens_entropy, lens_exit_layer
+
+    recorder = LLMJudgeVerifier(engine, record_lens=True)
+    full, trace = recorder.score_with_trace(PROBLEM.question, CANDIDATES, CGEEConfig.off())
+    num_layers = len(engine.model.model.layers)
+    assert trace.lens_logits.shape == (num_layers, len(CANDIDATES), 2)
+    last = trace.lens_logits[-1].softmax(-1)[:, 0].tolist()
+    assert last == pytest.approx([s.score for s in full], abs=1e-4), "the last layer's lens is not the full pass"
+    entropy = lens_entropy(trace.lens_logits)
+    # A theta just above the entropy the batch reaches at some middle layer, so the exit is mid-depth.
+    theta = float(entropy[18].max()) + 1e-4
+    config = CGEEConfig(exit_enabled=True, theta=theta, epsilon=1.0, min_layer=10)
+    want = lens_exit_layer(entropy, config)
+    got = LLMJudgeVerifier(engine).score(PROBLEM.question, CANDIDATES, config)
+    assert {s.exit_layer for s in got} == {want} and want <= 18
+    assert [s.score for s in got] == pytest.approx(trace.lens_logits[want].softmax(-1)[:, 0].tolist(), abs=1e-4)

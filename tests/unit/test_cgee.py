@@ -187,3 +187,152 @@ def test_wilson_interval_edges():
     assert low == 0.0 and 0.10 < high < 0.12  # 0 of 30 still allows an 11% error rate
     low, high = wilson_interval(30, 30)
     assert high == 1.0 and 0.88 < low < 0.90
+
+
+# -- level 2 replayed offline, and calibrated ---------------------------------------------------
+def test_replaying_the_recorded_lens_gives_the_exit_layer_and_scores_the_online_pass_gives():
+    from rksc_engine.cgee import lens_entropy, lens_exit_layer
+
+    engine = make_engine(1)
+    recorder = LLMJudgeVerifier(engine, record_lens=True)
+    candidates = ["7", "8", "12"]
+    _, trace = recorder.score_with_trace(QUESTION, candidates, CGEEConfig.off())
+    assert trace.lens_logits.shape == (NUM_LAYERS, 3, 2)
+    entropy = lens_entropy(trace.lens_logits)  # (L, B)
+    online = LLMJudgeVerifier(engine)
+    tried = set()
+    for theta in sorted(float(x) for x in entropy[3:-1].max(-1).values) + [1.0]:
+        for epsilon in (0.01, 0.1, 1.0):
+            for min_layer in (1, 3):
+                config = CGEEConfig(exit_enabled=True, theta=theta + 1e-6, epsilon=epsilon, min_layer=min_layer)
+                want = lens_exit_layer(entropy, config)
+                scores = online.score(QUESTION, candidates, config)
+                assert {s.exit_layer for s in scores} == {want}, f"online and replayed exits differ for {config}"
+                replayed = trace.lens_logits[want].softmax(-1)[:, 0]
+                assert [s.score for s in scores] == pytest.approx(replayed.tolist(), abs=1e-5)
+                tried.add(want)
+    assert len(tried) >= 3, f"test setup: the configs reached too few distinct exit layers {tried}"
+
+
+def lens_record(full_answer, early, late, switch_layer, num_layers=8):
+    """A two-candidate record whose lens says ``early`` (logits per candidate) before
+    ``switch_layer`` and ``late`` from it on; the full pass (last layer) says ``late``."""
+    from rksc_engine.cgee import CalibrationRecord, VoteSummary
+
+    lens = torch.tensor([early if layer < switch_layer else late for layer in range(num_layers)], dtype=torch.float32)
+    return CalibrationRecord(VoteSummary((("a", 0.6), ("b", 0.4))), full_answer, lens)
+
+
+A_RIGHT = [[6.0, -6.0], [-6.0, 6.0]]  # judge: "a" yes, "b" no
+B_RIGHT = [[-6.0, 6.0], [6.0, -6.0]]
+
+
+def test_calibrate_turns_level_2_on_with_the_earliest_exit_when_the_lens_settles_early_and_right():
+    from rksc_engine.cgee import calibrate
+
+    records = [lens_record("a", A_RIGHT, A_RIGHT, 0)] * 30
+    result = calibrate(records, target_error=0.05, tau_grid=(), bound="empirical", min_layer_grid=range(0, 6))
+    assert result.config.exit_enabled and not result.config.skip_enabled
+    assert result.config.min_layer == 0 and result.mean_exit_layer == 1.0
+    assert result.error_rate == 0.0
+    assert result.work_saved == pytest.approx((8 - 1 - 1) / 8)
+
+
+def test_calibrate_delays_the_exit_past_a_lens_that_is_confidently_wrong_in_early_layers():
+    from rksc_engine.cgee import calibrate
+
+    # In a third of the questions the early lens backs "a" with certainty, but the full pass picks "b";
+    # exiting before layer 5 would get those wrong. min_layer 4 exits at layer 5, after the flip.
+    good = [lens_record("a", A_RIGHT, A_RIGHT, 0)] * 20
+    traps = [lens_record("b", A_RIGHT, B_RIGHT, 5)] * 10
+    result = calibrate(good + traps, target_error=0.01, tau_grid=(), bound="empirical", min_layer_grid=range(0, 6))
+    assert result.config.exit_enabled and result.error_rate == 0.0
+    assert result.config.min_layer == 4 and result.mean_exit_layer == 5.0
+    looser = calibrate(good + traps, target_error=0.5, tau_grid=(), bound="empirical", min_layer_grid=range(0, 6))
+    assert looser.config.min_layer == 0 and looser.error_rate == pytest.approx(10 / 30)
+
+
+def test_calibrate_keeps_level_2_off_when_the_checks_cost_more_than_the_layers_they_save():
+    from rksc_engine.cgee import calibrate
+
+    records = [lens_record("a", A_RIGHT, A_RIGHT, 0)] * 30
+    result = calibrate(records, target_error=0.05, tau_grid=(), bound="empirical", check_cost=4.0)
+    assert not result.config.exit_enabled and result.work_saved == 0.0
+
+
+def test_calibrate_combines_a_skip_for_unanimous_votes_with_an_exit_for_the_rest():
+    from rksc_engine.cgee import CalibrationRecord, VoteSummary, calibrate
+
+    unanimous = [CalibrationRecord(VoteSummary((("a", 1.0),)), "a", torch.tensor([[[6.0, -6.0]]] * 8))] * 20
+    split = [lens_record("b", A_RIGHT, B_RIGHT, 5)] * 20
+    result = calibrate(unanimous + split, target_error=0.01, bound="empirical", min_layer_grid=range(0, 6))
+    assert result.config.skip_enabled and result.skip_rate == 0.5
+    assert result.config.exit_enabled and result.config.min_layer == 4 and result.mean_exit_layer == 5.0
+    assert result.error_rate == 0.0
+
+
+def test_calibrate_without_lens_data_turns_level_2_off_and_round_trips_records_through_json():
+    import json
+
+    from rksc_engine.cgee import CalibrationRecord, VoteSummary, calibrate
+
+    base = CGEEConfig(exit_enabled=True)
+    plain = [(VoteSummary((("7", 1.0),)), "7")] * 40
+    assert not calibrate(plain, target_error=0.1, base=base).config.exit_enabled
+    record = lens_record("b", A_RIGHT, B_RIGHT, 5)
+    again = CalibrationRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+    assert again.summary == record.summary and again.full_answer == "b"
+    torch.testing.assert_close(again.lens_logits, record.lens_logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lens_logits"):
+        calibrate([record, CalibrationRecord(record.summary, "a", torch.zeros(8, 3, 2))])
+    with pytest.raises(ValueError, match="check_cost"):
+        calibrate([record], check_cost=-1.0)
+
+
+# -- the per-call estimate of the time saved ------------------------------------------------------
+def test_the_pass_estimate_of_time_saved_is_the_unrun_layers_at_the_measured_rate_minus_the_checks():
+    from rksc_engine.verifier import PassTrace
+
+    stopped = PassTrace(num_layers=6, layers_run=4, pass_s=0.4, check_s=0.04, prefill_s=0.1)
+    assert stopped.time_saved_s == pytest.approx(0.09 * 2 - 0.04)
+    assert stopped.full_depth_s == pytest.approx(0.1 + 0.09 * 6)
+    checked_to_the_end = PassTrace(num_layers=6, layers_run=6, pass_s=0.6, check_s=0.05)
+    assert checked_to_the_end.time_saved_s == pytest.approx(-0.05), "checks without an exit only cost time"
+    assert PassTrace(num_layers=6, layers_run=6, pass_s=0.6).time_saved_s == 0.0
+
+
+def test_a_verified_call_reports_zero_saved_at_full_depth_a_loss_when_checks_never_exit_and_a_gain_when_they_do():
+    from rksc_engine.reasoning import BranchAnswer, verify_and_pick
+
+    engine = make_engine(0)
+    judge = LLMJudgeVerifier(engine)
+    branches = [BranchAnswer("", a, 0.5) for a in ("7", "8", "7")]
+    _, full, _ = verify_and_pick(QUESTION, branches, judge, CGEEConfig.off())
+    assert full.time_saved_s == 0.0
+    never = CGEEConfig(skip_enabled=False, exit_enabled=True, theta=1e-9, epsilon=1e-9, min_layer=1)
+    _, checked, _ = verify_and_pick(QUESTION, branches, judge, never)
+    assert set(checked.exit_layers) == {NUM_LAYERS - 1} and checked.check_s > 0
+    assert checked.time_saved_s == pytest.approx(-checked.check_s)
+    forced = CGEEConfig(skip_enabled=False, exit_enabled=True, theta=1.0, epsilon=1.0, min_layer=1)
+    _, stopped, _ = verify_and_pick(QUESTION, branches, judge, forced)
+    assert set(stopped.exit_layers) == {2}
+    # The layers that did not run cost something, so the saving before the checks is positive.
+    assert stopped.time_saved_s + stopped.check_s > 0
+    assert "estimated time saved" in stopped.summary()
+
+
+def test_a_skip_estimates_the_saving_from_the_verifiers_earlier_passes_and_says_unknown_before_any():
+    from rksc_engine.reasoning import BranchAnswer, verify_and_pick
+
+    engine = make_engine(0)
+    judge = LLMJudgeVerifier(engine)
+    unanimous = [BranchAnswer("", "7", 0.9)] * 4
+    _, first, _ = verify_and_pick(QUESTION, unanimous, judge, CGEEConfig())
+    assert first.skipped and first.time_saved_s is None and "unknown" in first.summary()
+    split = [BranchAnswer("", a, 0.5) for a in ("7", "8")]
+    _, verified, _ = verify_and_pick(QUESTION, split, judge, CGEEConfig.off())
+    _, later, _ = verify_and_pick(QUESTION, unanimous, judge, CGEEConfig())
+    assert later.skipped and later.time_saved_s > 0
+    # One candidate costs about half of the two-candidate pass it was estimated from.
+    assert later.time_saved_s == pytest.approx(judge.estimate_full_s(1))
+    assert judge.estimate_full_s(2) == pytest.approx(2 * later.time_saved_s)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import threading
 import time
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel
 
 pytest.importorskip("llama_index.core")
 
@@ -18,19 +21,25 @@ from llama_index.core.callbacks.base_handler import BaseCallbackHandler  # noqa:
 from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  # noqa: E402
+from llama_index.core.prompts import PromptTemplate  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
+from llama_index.core.types import PydanticProgramMode  # noqa: E402
 
-from rksc_engine import Completion, SamplingParams  # noqa: E402
+from rksc_engine import Completion, RKSCEngine, SamplingParams  # noqa: E402
 from rksc_engine.cgee import CGEEConfig  # noqa: E402
 from rksc_integrations.llama_index import (  # noqa: E402
     RKSCLLM,
+    RKSCASKSReuseEvent,
     RKSCBranchVoteEvent,
     RKSCCacheReuseEvent,
     RKSCCGEESkipEvent,
+    RKSCEarlyExitEvent,
+    RKSCVerificationEvent,
     normalise_answer,
 )
 from rksc_integrations.llama_index.branches import decide  # noqa: E402
 from rksc_integrations.llama_index.messages import parse_tool_calls, to_engine_messages  # noqa: E402
+from tests.conftest import make_char_tokenizer, make_tiny_model  # noqa: E402
 
 
 class Recorder(BaseEventHandler):
@@ -64,8 +73,16 @@ def test_metadata_comes_from_the_engine_and_the_fields(llm, tiny_engine):
     assert meta.context_window == tiny_engine.context_window == 512
     assert meta.num_output == 12
     assert meta.is_chat_model is True  # the char tokenizer has a chat template
-    assert meta.is_function_calling_model is True
+    assert meta.is_function_calling_model is False  # ... which does not take tools
     assert meta.model_name == tiny_engine.model_name
+
+
+def test_function_calling_is_advertised_when_the_template_takes_tools_or_the_field_says_so(tiny_model):
+    tokenizer = make_char_tokenizer()
+    tokenizer.chat_template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + tokenizer.chat_template
+    assert RKSCLLM(engine=RKSCEngine(tiny_model, tokenizer)).metadata.is_function_calling_model is True
+    plain = RKSCEngine(tiny_model, make_char_tokenizer())
+    assert RKSCLLM(engine=plain, is_function_calling_model=True).metadata.is_function_calling_model is True
 
 
 def test_complete_answers_the_prompt_as_a_user_turn_of_the_chat_template(llm, tiny_engine):
@@ -292,6 +309,8 @@ def test_achat_matches_chat(llm):
         # LlamaIndex's own callback validates messages first (pydantic's ValidationError is a ValueError).
         (lambda llm: llm.chat(["hi"]), ValueError, "ChatMessage"),
         (lambda llm: llm.stream_complete("x", stop=[""]), ValueError, "non-empty"),
+        (lambda llm: llm.chat([ChatMessage(content="hi")], tools=[{"description": "no name"}]), ValueError, "'name'"),
+        (lambda llm: llm.chat([ChatMessage(content="hi")], tools=[{"name": "f"}], tool_choice="g"), ValueError, "tool_choice"),
     ],
 )
 def test_bad_input_raises_a_clear_error_and_the_engine_stays_usable(llm, call, error, match):
@@ -333,12 +352,16 @@ def _scripted(engine, monkeypatch, text: str) -> list:
     return prompts
 
 
-def test_predict_and_call_offers_the_tools_and_runs_the_call_the_model_makes(llm, tiny_engine, monkeypatch):
+def test_predict_and_call_offers_the_tools_and_runs_the_call_the_model_makes(monkeypatch):
     def add(a: int, b: int) -> int:
         """Add two integers."""
         return a + b
 
-    prompts = _scripted(tiny_engine, monkeypatch, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    # The tool offer is longer than the default tiny model's 512 positions (one character a token).
+    engine = RKSCEngine(make_tiny_model(max_positions=4096), make_char_tokenizer())
+    # The char template takes no tools, so function calling is opted into (the default would be ReAct).
+    llm = RKSCLLM(engine=engine, max_new_tokens=12, is_function_calling_model=True)
+    prompts = _scripted(engine, monkeypatch, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     result = llm.predict_and_call([FunctionTool.from_defaults(fn=add)], user_msg="What is 2 + 3?")
     assert result.response == "5"
     system = prompts[0][0]
@@ -376,6 +399,160 @@ def test_greedy_settings_still_sample_distinct_branches(llm):
     response = llm.complete("pick", branches=4, seed=1)
     assert sum(response.additional_kwargs["rksc_branches"]["votes"].values()) <= 4
     assert len(response.additional_kwargs["rksc_branches"]["votes"]) > 1  # branch_temperature, not argmax
+
+
+# -- verified branches, CGEE and ASKS events -----------------------------------------------------
+def _branch_keys(engine, prompt: str, n: int, seed: int) -> list[str]:
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, seed=seed)
+    return [normalise_answer(c.text) for c in engine.generate_branches(user(prompt), n, params)]
+
+
+def test_an_undecided_vote_is_verified_and_the_verifier_can_overturn_the_majority(tiny_engine, recorder):
+    keys = _branch_keys(tiny_engine, "pick", 4, seed=0)
+    underdog = min(set(keys), key=keys.count)  # the answer with the fewest votes
+    asked = []
+
+    def verifier(question, candidates):
+        asked.append((question, list(candidates)))
+        return [1.0 if c == underdog else 0.0 for c in candidates]
+
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=12, branches=4, seed=0, verifier=verifier,
+                  cgee=CGEEConfig(skip_enabled=False))
+    response = llm.complete("pick")
+    decision = response.additional_kwargs["rksc_branches"]
+    assert decision["verified"] and decision["answer"] == underdog and normalise_answer(response.text) == underdog
+    assert asked[0][0] == "pick" and set(asked[0][1]) == set(keys)  # the call's prompt, every voted answer
+    assert decision["scores"] == {k: float(k == underdog) for k in set(keys)}
+    [verification] = [e for e in recorder.events if isinstance(e, RKSCVerificationEvent)]
+    assert verification.answer == underdog
+
+
+def test_a_decisive_vote_skips_the_verifier(tiny_engine, recorder):
+    def must_not_run(question, candidates):
+        raise AssertionError("CGEE should have skipped verification")
+
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=12, branches=3, seed=0, verifier=must_not_run,
+                  cgee=CGEEConfig(tau_conf=0.0, margin=0.0))
+    decision = llm.complete("pick").additional_kwargs["rksc_branches"]
+    assert decision["cgee_skipped"] and not decision["verified"]
+    assert not [e for e in recorder.events if isinstance(e, RKSCVerificationEvent)]
+
+
+def test_the_default_judge_exits_early_under_cgee_level_2_and_the_event_says_where(recorder):
+    engine = RKSCEngine(make_tiny_model(num_layers=4), make_char_tokenizer())
+    cgee = CGEEConfig(skip_enabled=False, exit_enabled=True, theta=1.0, epsilon=1.0, min_layer=0)  # any entropy passes
+    llm = RKSCLLM(engine=engine, max_new_tokens=8, branches=3, seed=0, cgee=cgee)
+    decision = llm.complete("pick").additional_kwargs["rksc_branches"]
+    assert decision["verified"] and decision["num_layers"] == 4
+    assert decision["exit_layers"] and all(layer == 1 for layer in decision["exit_layers"])
+    [exit_event] = [e for e in recorder.events if isinstance(e, RKSCEarlyExitEvent)]
+    assert exit_event.exit_layers == decision["exit_layers"] and exit_event.layers_saved == 2 * len(decision["exit_layers"])
+
+
+def test_a_full_depth_verification_emits_no_early_exit_event(tiny_engine, recorder):
+    llm = RKSCLLM(engine=tiny_engine, max_new_tokens=8, branches=3, seed=0, cgee=CGEEConfig.off())
+    decision = llm.complete("pick").additional_kwargs["rksc_branches"]
+    assert decision["verified"] and decision["layers_saved"] == 0
+    assert not [e for e in recorder.events if isinstance(e, RKSCEarlyExitEvent)]
+
+
+def test_a_failing_verifier_surfaces_as_an_error_and_the_engine_stays_usable(llm, tiny_engine):
+    before = llm.complete("ok").text
+
+    def broken(question, candidates):
+        raise RuntimeError("verifier down")
+
+    failing = RKSCLLM(engine=tiny_engine, max_new_tokens=12, branches=3, verifier=broken, cgee=CGEEConfig.off())
+    with pytest.raises(RuntimeError, match="verifier down"):
+        failing.complete("pick")
+    assert llm.complete("ok").text == before
+    with pytest.raises(TypeError, match="verifier must be"):
+        RKSCLLM(engine=tiny_engine, verifier=42)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """Stands in for rksc_engine.types.ASKSDecision (same field names), so the test does not wait on it."""
+
+    reused: bool
+    sigma: float
+    tau: float
+    reused_tokens: int
+    recomputed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _CompletionWithASKS(Completion):
+    asks: object = None
+
+
+def test_a_completion_carrying_an_asks_decision_emits_the_asks_event(llm, tiny_engine, monkeypatch, recorder):
+    generate = tiny_engine.generate
+    decision = _Decision(reused=True, sigma=0.97, tau=0.9, reused_tokens=40, recomputed_tokens=3)
+
+    def with_asks(prompt, params=None):
+        real = generate(prompt, params)
+        fields = {f.name: getattr(real, f.name) for f in dataclasses.fields(Completion) if f.name != "asks"}
+        return _CompletionWithASKS(**fields, asks=decision)
+
+    llm.complete("plain")
+    assert not [e for e in recorder.events if isinstance(e, RKSCASKSReuseEvent)]  # no decision, no event
+    monkeypatch.setattr(tiny_engine, "generate", with_asks)
+    response = llm.complete("hello")
+    [event] = [e for e in recorder.events if isinstance(e, RKSCASKSReuseEvent)]
+    assert (event.reused, event.sigma, event.num_reused_tokens, event.num_recomputed_tokens) == (True, 0.97, 40, 3)
+    assert response.additional_kwargs["rksc_asks"]["tau"] == 0.9
+
+
+# -- tool calls and structured output under the schema ------------------------------------------
+class Pick(BaseModel):
+    """Pick a colour."""
+
+    colour: Literal["red", "green", "blue"]
+    count: int
+    bright: bool
+
+
+def _add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@pytest.fixture
+def long_llm():
+    engine = RKSCEngine(make_tiny_model(max_positions=4096), make_char_tokenizer())
+    return RKSCLLM(engine=engine, max_new_tokens=12)
+
+
+def test_a_required_tool_call_is_decoded_under_the_tool_schema_in_every_chat_path(long_llm):
+    tool = FunctionTool.from_defaults(fn=_add)
+    response = long_llm.chat_with_tools([tool], user_msg="add 2 and 3", tool_required=True)
+    [selection] = long_llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "_add" and set(selection.tool_kwargs) == {"a", "b"}
+    assert all(type(v) is int for v in selection.tool_kwargs.values())
+    assert response.additional_kwargs["finish_reason"] == "tool_calls"
+    streamed = list(long_llm.stream_chat_with_tools([tool], user_msg="add 2 and 3", tool_required=True))
+    assert long_llm.get_tool_calls_from_response(streamed[-1])[0].tool_kwargs == selection.tool_kwargs
+
+    async def achat():
+        return await long_llm.achat_with_tools([tool], user_msg="add 2 and 3", tool_required=True)
+
+    assert long_llm.get_tool_calls_from_response(asyncio.run(achat()))[0].tool_kwargs == selection.tool_kwargs
+
+
+def test_structured_predict_decodes_the_output_class_under_its_schema(long_llm):
+    prompt = PromptTemplate("Choose a colour for {thing}.")
+    value = long_llm.structured_predict(Pick, prompt, thing="a door")
+    assert isinstance(value, Pick) and value.colour in ("red", "green", "blue")
+    assert asyncio.run(long_llm.astructured_predict(Pick, prompt, thing="a door")) == value  # greedy: same answer
+
+
+def test_structured_predict_in_function_mode_goes_through_a_forced_tool_call(long_llm):
+    # LlamaIndex's FunctionCallingProgram, which calls predict_and_call(tool_required=True).
+    long_llm.pydantic_program_mode = PydanticProgramMode.FUNCTION
+    long_llm.is_function_calling_model = True
+    value = long_llm.structured_predict(Pick, PromptTemplate("Choose a colour for {thing}."), thing="a door")
+    assert isinstance(value, Pick)
 
 
 def test_the_engine_package_never_imports_llama_index():

@@ -1,5 +1,7 @@
-"""The radix prefix cache on hand-built KV tensors: matching, splitting, byte accounting, LRU
-eviction order and locking."""
+"""The radix prefix cache on hand-built KV tensors: matching, splitting, block layout and byte
+accounting, LRU eviction order and locking. (RSBCM's omega order: tests/unit/test_rsbcm.py.)"""
+
+import random
 
 import pytest
 import torch
@@ -19,8 +21,12 @@ def kv_for(token_ids):
     return t
 
 
-def make_cache(budget_tokens=1000):
-    return RadixPrefixCache(budget_tokens * BYTES_PER_TOKEN)
+def make_cache(budget_tokens=1000, block_size=16, policy="lru"):
+    return RadixPrefixCache(budget_tokens * BYTES_PER_TOKEN, policy=policy, block_size=block_size)
+
+
+def block_widths(node):
+    return [b.shape[3] for b in node.blocks]
 
 
 def test_match_returns_the_longest_cached_prefix_and_its_exact_kv():
@@ -100,10 +106,20 @@ def test_a_locked_node_is_never_evicted():
     assert cache.evict(10**9) == 4 * BYTES_PER_TOKEN
 
 
-def test_an_insert_larger_than_the_budget_is_not_kept():
+def test_an_insert_smaller_than_one_block_that_does_not_fit_is_not_kept():
     cache = make_cache(budget_tokens=2)
     assert cache.insert([1, 2, 3], kv_for([1, 2, 3])) == 0
-    assert cache.total_bytes == 0
+    assert cache.total_bytes == 0 and cache.num_nodes() == 0
+
+
+def test_an_insert_that_does_not_fit_keeps_its_longest_block_aligned_leading_part():
+    cache = make_cache(budget_tokens=7, block_size=3)
+    ids = list(range(1, 11))
+    assert cache.insert(ids, kv_for(ids)) == 6, "7 tokens of room hold two whole 3-token blocks"
+    match = cache.match_prefix(ids)
+    assert match.num_tokens == 6
+    assert torch.equal(match.kv, kv_for(ids)[:, :, :, :6])
+    assert cache.total_bytes == 6 * BYTES_PER_TOKEN
 
 
 def test_unlock_without_lock_is_an_error():
@@ -116,3 +132,80 @@ def test_unlock_without_lock_is_an_error():
 def test_unknown_policy_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="lru"):
         make_eviction_policy("fifo")
+
+
+def test_blocks_are_aligned_to_absolute_positions_and_a_partial_block_counts_its_real_bytes():
+    cache = make_cache(block_size=4)
+    cache.insert([1, 2, 3, 4, 5, 6], kv_for([1, 2, 3, 4, 5, 6]))
+    first = cache.root.children[1]
+    assert block_widths(first) == [4, 2]
+    assert cache.total_bytes == 6 * BYTES_PER_TOKEN, "a 2-token partial block must count 2 tokens, not 4"
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    cache.insert(ids, kv_for(ids))
+    second = first.children[7]
+    assert second.start == 6
+    assert block_widths(second) == [2, 3], "the child starts mid-block: positions 6-7, then 8-10"
+    assert cache.total_bytes == 11 * BYTES_PER_TOKEN
+    assert all(b.is_contiguous() and b.untyped_storage().nbytes() == b.numel() * 4 for n in (first, second)
+               for b in n.blocks), "each block must own exactly its bytes"
+    cache.check_consistency()
+
+
+def test_a_split_copies_only_the_block_holding_the_cut_and_keeps_bytes_exact():
+    cache = make_cache(block_size=4)
+    ids = list(range(1, 11))  # blocks [0-3] [4-7] [8-9]
+    cache.insert(ids, kv_for(ids))
+    node = cache.root.children[1]
+    untouched = node.blocks[0]
+    other = ids[:6] + [50, 51]
+    cache.insert(other, kv_for(other))  # splits after position 5, inside block [4-7]
+    upper = cache.root.children[1]
+    assert upper.blocks[0] is untouched, "blocks before the cut must move, not be copied"
+    assert block_widths(upper) == [4, 2]
+    assert block_widths(upper.children[7]) == [2, 2]
+    assert block_widths(upper.children[50]) == [2]
+    assert cache.total_bytes == 12 * BYTES_PER_TOKEN
+    assert torch.equal(cache.match_prefix(ids).kv, kv_for(ids))
+    assert torch.equal(cache.match_prefix(other).kv, kv_for(other))
+    cache.check_consistency()
+
+
+def test_eviction_takes_trailing_blocks_so_a_long_leaf_keeps_its_prefix():
+    cache = make_cache(block_size=4)
+    ids = list(range(1, 11))
+    cache.insert(ids, kv_for(ids))
+    freed = cache.evict(3 * BYTES_PER_TOKEN)
+    assert freed == 6 * BYTES_PER_TOKEN, "the 2-token tail block, then the whole block before it"
+    match = cache.match_prefix(ids)
+    assert match.num_tokens == 4
+    assert torch.equal(match.kv, kv_for(ids)[:, :, :, :4])
+    assert cache.evicted_tokens == 6
+    cache.check_consistency()
+
+
+@pytest.mark.parametrize("policy", ["lru", "omega"])
+def test_random_inserts_matches_and_locks_keep_the_cache_consistent_and_within_budget(policy):
+    rng = random.Random(0)
+    cache = make_cache(budget_tokens=40, block_size=4, policy=policy)
+    locked = []
+    for step in range(300):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(1, 25))]
+        action = rng.random()
+        if action < 0.6:
+            cache.insert(ids, kv_for(ids), branch_score=rng.random(), depth=rng.randrange(5))
+            assert cache.total_bytes <= cache.budget_bytes, f"step {step}: over budget after an insert"
+        elif action < 0.8:
+            match = cache.match_prefix(ids)
+            if match.num_tokens:
+                assert torch.equal(match.kv, kv_for(ids)[:, :, :, :match.num_tokens]), f"step {step}: wrong KV"
+                if rng.random() < 0.5:
+                    cache.lock(match.last_node)
+                    locked.append(match.last_node)
+        elif locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        cache.check_consistency()
+    assert cache.peak_bytes <= cache.budget_bytes
+    for node in locked:
+        cache.unlock(node)
+    cache.clear()
+    assert cache.total_bytes == 0 and cache.num_nodes() == 0

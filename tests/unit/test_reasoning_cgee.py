@@ -167,3 +167,98 @@ def test_batched_judging_of_candidates_of_different_lengths_equals_scoring_each_
     want = full_depth_scores(engine, judge, "How many?", candidates)
     assert [s.score for s in got] == pytest.approx(want, abs=1e-5), "right padding changed a score"
     assert engine.stats().prompt_tokens_reused > 0, "the shared question prefix should come from the cache"
+
+
+# -- CGEE as an engine setting ----------------------------------------------------------------------
+def test_engine_reason_uses_the_engines_cgee_config_when_the_call_passes_none():
+    from rksc_engine import EngineConfig
+
+    model, tokenizer = make_tiny_model(0, num_layers=2), make_char_tokenizer()
+    calls = []
+
+    def judge(q, c):
+        calls.append(list(c))
+        return [1.0] * len(c)
+
+    kwargs = dict(n=3, params=PARAMS, prompt="Q:", answer_extractor=lambda t: "42", verifier=judge)
+    default = RKSCEngine(model, tokenizer)
+    assert default.config.cgee == CGEEConfig()
+    assert default.reason("q?", **kwargs).verification.skipped and not calls
+    never_skip = RKSCEngine(model, tokenizer, EngineConfig(cgee=CGEEConfig(skip_enabled=False)))
+    report = never_skip.reason("q?", **kwargs).verification
+    assert not report.skipped and calls == [["42"]], "the engine's cgee setting was ignored"
+    assert never_skip.reason("q?", cgee=CGEEConfig(), **kwargs).verification.skipped, "a per-call cgee must win"
+
+
+def test_a_bad_cgee_setting_names_the_field_and_a_bad_call_leaves_the_engine_and_cache_intact():
+    from rksc_engine import EngineConfig
+    from rksc_engine import cgee as cgee_module
+    from rksc_engine import config as config_module
+
+    assert cgee_module.CGEEConfig is config_module.CGEEConfig, "rksc_engine.cgee must re-export the one CGEEConfig"
+    with pytest.raises(TypeError, match="cgee must be CGEEConfig"):
+        EngineConfig(cgee={"tau_conf": 0.9})
+    with pytest.raises(ValueError, match=r"cgee.min_layer must be >= 0"):
+        EngineConfig(cgee=CGEEConfig(min_layer=-1))
+    engine = make_engine()
+    engine.generate("Q: 1+1\nA:", SamplingParams(max_new_tokens=4))
+    before = (engine.prefix_cache.total_bytes, engine.stats().requests)
+    with pytest.raises(TypeError, match="cgee must be a CGEEConfig"):
+        engine.reason("q?", n=2, params=PARAMS, prompt="Q:", cgee={"tau_conf": 0.9})
+    assert (engine.prefix_cache.total_bytes, engine.stats().requests) == before, "a rejected call touched the engine"
+    assert engine.generate("Q: 1+1\nA:", SamplingParams(max_new_tokens=4)).num_cached_tokens > 0
+
+
+def test_the_default_judge_is_kept_per_engine_so_a_later_skip_can_estimate_its_saving():
+    engine = make_engine()
+    answers = iter(["1", "2", "1", "1", "1", "1"])
+    extract = lambda t: next(answers)  # noqa: E731
+    verified = engine.reason("q?", n=3, params=PARAMS, prompt="Q:", answer_extractor=extract, cgee=CGEEConfig.off())
+    assert not verified.verification.skipped and verified.verification.time_saved_s == 0.0
+    skipped = engine.reason("q?", n=3, params=PARAMS, prompt="Q:", answer_extractor=extract)
+    assert skipped.verification.skipped and skipped.verification.time_saved_s > 0
+    fresh = make_engine()
+    first = fresh.reason("q?", n=3, params=PARAMS, prompt="Q:", answer_extractor=lambda t: "1")
+    assert first.verification.skipped and first.verification.time_saved_s is None
+
+
+# -- multiple-choice questions ----------------------------------------------------------------------
+def test_synthetic_choice_problems_are_seeded_balanced_and_readable_by_the_choice_extractor():
+    from rksc_engine.datasets import synthetic_choice_problems
+
+    problems = synthetic_choice_problems(60, seed=3)
+    assert problems == synthetic_choice_problems(60, seed=3) and problems != synthetic_choice_problems(60, seed=4)
+    assert all(extract_choice_letter(p.solution) == p.answer for p in problems)
+    assert all(f"\n{p.answer}) " in p.question for p in problems), "the key must be one of the rendered choices"
+    counts = {letter: sum(p.answer == letter for p in problems) for letter in "ABCD"}
+    assert min(counts.values()) >= 6, f"the right choice's position is not spread: {counts}"
+    assert {p.answer for p in synthetic_choice_problems(20, num_choices=2)} <= {"A", "B"}
+    with pytest.raises(ValueError, match="num_choices"):
+        synthetic_choice_problems(1, num_choices=5)
+
+
+def test_choice_jsonl_reads_lists_arc_style_dicts_and_numeric_labels(tmp_path):
+    import json
+
+    from rksc_engine.datasets import jsonl_format, load_choice_jsonl, load_problems_jsonl
+
+    rows = [
+        {"question": "2+2?", "choices": ["3", "4", "5"], "answerKey": "B"},
+        {"question": "Sky colour?", "choices": {"text": ["red", "blue"], "label": ["A", "B"]}, "answerKey": "B"},
+        {"question": "Odd one?", "choices": {"text": ["2", "4", "7", "8"], "label": ["1", "2", "3", "4"]},
+         "answerKey": "3"},
+    ]
+    path = tmp_path / "mc.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    problems = load_choice_jsonl(path)
+    assert [p.answer for p in problems] == ["B", "B", "C"], "numeric labels must map onto letters"
+    assert problems[0].question == "2+2?\nA) 3\nB) 4\nC) 5"
+    assert problems[2].question.endswith("C) 7\nD) 8")
+    assert jsonl_format(path) == "choice" and load_problems_jsonl(path, limit=2)[1] == problems[:2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answerKey": "E"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: answerKey 'E'"):
+        load_choice_jsonl(bad)
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
+    assert load_problems_jsonl(gsm) == ("gsm8k", load_problems_jsonl(gsm)[1]) and load_problems_jsonl(gsm)[1][0].answer == "2"

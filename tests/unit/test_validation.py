@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from rksc_engine import EngineConfig, PrefixCacheConfig, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.config import RSBCMConfig
 
 
 @pytest.mark.parametrize(
@@ -35,10 +36,10 @@ def test_a_single_stop_string_is_accepted_as_a_tuple():
 
 
 def test_invalid_engine_config_names_the_field():
-    with pytest.raises(ValueError, match="budget_mb"):
-        PrefixCacheConfig(budget_mb=0)
+    with pytest.raises(ValueError, match="cache_budget_mb"):
+        RSBCMConfig(cache_budget_mb=0)
     with pytest.raises(TypeError, match="prefix_cache"):
-        EngineConfig(prefix_cache={"budget_mb": 3})
+        EngineConfig(prefix_cache={"enabled": True})
 
 
 def _bad_calls(engine):

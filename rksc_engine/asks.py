@@ -1,0 +1,405 @@
+"""ASKS: reuse cached KV across prompts that differ in wording, gated by hidden-state similarity.
+
+Token-exact prefix caching stops at the first differing token. ASKS looks further: when a request
+matches a cached sequence token for token up to position ``k``, differs for a short span, then
+realigns with the cached tokens, the cached KV of the realigned remainder is reused if the two
+differing spans "mean the same" to the model.
+
+The mechanism, for a request ``R`` and a cached sequence ``C``:
+
+1. **Alignment** (``align_after_prefix``): ``R[:k] == C[:k]``; the request's span ``R[k:k+a]`` and the
+   cached span ``C[k:k+b]`` (``1 <= a, b <= max_span_tokens``) are followed by a remainder
+   ``R[k+a:k+a+m] == C[k+b:k+b+m]`` with ``m >= min_reuse_tokens``. Candidates are the cached
+   root-to-leaf sequences that branch off the request's path (``candidate_sequences``), nearest
+   branch first; the one with the longest remainder wins, and only if it serves at least
+   ``min_reuse_tokens`` more tokens than the token-exact match (exact KV is never displaced).
+   A pure insertion or deletion (an empty span on one side) has nothing to compare and is left alone.
+2. **Similarity** (``span_similarity``): both spans are run over the exact cached KV ``[:k]`` with every
+   layer's hidden states read out. The cached span's hidden states are *recomputed* (at most
+   ``max_span_tokens`` tokens, discarded afterwards) rather than stored, so the radix cache holds KV
+   only. Each layer's states are mean-pooled over its span, and
+   ``sigma = sum_l w_l cos(mean h_req_l, mean h_cached_l) / sum_l w_l`` with ``w_l = exp(alpha l / L)``
+   over the decoder layers ``l = 1..L`` (the embedding layer is left out: it only says which tokens
+   differ, which alignment already knows).
+3. **Reuse** (``sigma >= tau``): the request's own span KV (exact) is followed by the cached remainder's
+   KV, its keys re-rotated by ``a - b`` positions (``rerotate_keys``; RoPE is a rotation by position,
+   so this is exact for the position part), and only the tail after the remainder is prefilled.
+   Optionally the first ``recompute_fraction`` of the remainder is recomputed exactly instead of reused:
+   the tokens nearest the changed span attend to it most, so their KV deviates most.
+   Otherwise the request computes its remainder itself, which is exact.
+
+What goes into the token-exact radix cache: only exact KV. After a reuse that is the shared prefix
+plus the request's own span; the approximate remainder and anything decoded after it are never
+inserted (``ASKSPrefill.num_exact_tokens``), so a later request that matches the cache token for
+token is still served exact KV. A fallback computes everything exactly and caches the whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ASKSConfig
+from .types import ASKSDecision
+
+# RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+# -- alignment ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Alignment:
+    """Where a request and a cached sequence differ and where they realign.
+
+    Attributes:
+        cached_ids: The cached sequence (a root-to-leaf path of the radix tree).
+        prefix_tokens: ``k``: both sequences agree on their first ``k`` tokens.
+        request_span_tokens: ``a``: the request's differing span is ``R[k:k+a]``.
+        cached_span_tokens: ``b``: the cached sequence's differing span is ``C[k:k+b]``.
+        remainder_tokens: ``m``: ``R[k+a:k+a+m] == C[k+b:k+b+m]``, never covering the request's last token.
+    """
+
+    cached_ids: tuple[int, ...]
+    prefix_tokens: int
+    request_span_tokens: int
+    cached_span_tokens: int
+    remainder_tokens: int
+
+    @property
+    def position_shift(self) -> int:
+        """How many positions the remainder moves from the cached sequence to the request (``a - b``)."""
+        return self.request_span_tokens - self.cached_span_tokens
+
+
+def _common_length(a: Sequence[int], a_start: int, b: Sequence[int], b_start: int, limit: int) -> int:
+    n = 0
+    while n < limit and a_start + n < len(a) and b_start + n < len(b) and a[a_start + n] == b[b_start + n]:
+        n += 1
+    return n
+
+
+def align_after_prefix(
+    request_ids: Sequence[int], cached_ids: Sequence[int], max_span_tokens: int, min_reuse_tokens: int
+) -> Alignment | None:
+    """Align ``request_ids`` with ``cached_ids`` past their common prefix.
+
+    Among spans ``1 <= a, b <= max_span_tokens`` it picks the realignment with the longest remainder
+    (ties: the shortest spans). The remainder stops one token before the end of the request, since the
+    last prompt token is always computed to get the next-token logits.
+
+    Returns:
+        The alignment, or None when the sequences never realign for ``min_reuse_tokens`` tokens.
+
+    Example:
+        >>> align_after_prefix([1, 2, 7, 7, 3, 4, 5, 6], [1, 2, 9, 3, 4, 5, 6], 4, 3)
+        Alignment(cached_ids=(1, 2, 9, 3, 4, 5, 6), prefix_tokens=2, request_span_tokens=2, cached_span_tokens=1, remainder_tokens=3)
+    """
+    prefix = _common_length(request_ids, 0, cached_ids, 0, min(len(request_ids), len(cached_ids)))
+    reusable_end = len(request_ids) - 1  # exclusive: the last request token is never reused
+    anchor = max(1, min(min_reuse_tokens, 8))
+    # Positions b of every anchor n-gram in the cached sequence's candidate realignment window.
+    starts: dict[tuple[int, ...], list[int]] = {}
+    for b in range(1, max_span_tokens + 1):
+        gram = tuple(cached_ids[prefix + b:prefix + b + anchor])
+        if len(gram) < anchor:
+            break
+        starts.setdefault(gram, []).append(b)
+    best: tuple[int, int, int, int] | None = None  # (m, -(a + b), a, b)
+    for a in range(1, max_span_tokens + 1):
+        if prefix + a + anchor > reusable_end:
+            break
+        for b in starts.get(tuple(request_ids[prefix + a:prefix + a + anchor]), ()):
+            m = _common_length(request_ids, prefix + a, cached_ids, prefix + b, reusable_end - prefix - a)
+            key = (m, -(a + b), a, b)
+            if m >= min_reuse_tokens and (best is None or key > best):
+                best = key
+    if best is None:
+        return None
+    m, _, a, b = best
+    return Alignment(tuple(cached_ids), prefix, a, b, m)
+
+
+def _path_tokens(node: Any) -> list[int]:
+    """Token ids from the root down to and including ``node``."""
+    pieces = []
+    while node is not None and node.parent is not None:
+        pieces.append(node.token_ids)
+        node = node.parent
+    return [t for piece in reversed(pieces) for t in piece]
+
+
+def _leaves(node: Any) -> Iterator[Any]:
+    # Lazy, so a large subtree costs only the leaves actually examined.
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.children:
+            stack.extend(current.children.values())
+        else:
+            yield current
+
+
+def exact_match_length(prefix_cache: Any, request_ids: Sequence[int]) -> int:
+    """Tokens of ``request_ids`` the radix tree holds token for token (a read-only walk)."""
+    node, depth = prefix_cache.root, 0
+    while depth < len(request_ids):
+        child = node.children.get(request_ids[depth])
+        if child is None:
+            break
+        common = _common_length(child.token_ids, 0, request_ids, depth, len(child.token_ids))
+        depth += common
+        if common < len(child.token_ids):
+            break
+        node = child
+    return depth
+
+
+def candidate_sequences(prefix_cache: Any, request_ids: Sequence[int], max_candidates: int) -> list[tuple[int, ...]]:
+    """Cached root-to-leaf sequences that branch off the request's path, deepest branch point first.
+
+    Walks the radix tree over its public surface only (``root``, ``children``, ``token_ids``, ``parent``)
+    and never changes it. At most ``max_candidates`` sequences are returned.
+    """
+    branches: list[tuple[int, Any]] = []  # (depth where the subtree leaves the request's path, subtree)
+    node, depth = prefix_cache.root, 0
+    while True:
+        follow = node.children.get(request_ids[depth]) if depth < len(request_ids) else None
+        branches.extend((depth, child) for child in node.children.values() if child is not follow)
+        if follow is None:
+            break
+        common = _common_length(follow.token_ids, 0, request_ids, depth, len(follow.token_ids))
+        if common < len(follow.token_ids):
+            branches.append((depth + common, follow))  # the request leaves this edge part-way
+            break
+        depth += common
+        node = follow
+    out: list[tuple[int, ...]] = []
+    for _, subtree in sorted(branches, key=lambda item: -item[0]):
+        for leaf in _leaves(subtree):
+            out.append(tuple(_path_tokens(leaf)))
+            if len(out) >= max_candidates:
+                return out
+    return out
+
+
+def find_alignment(
+    prefix_cache: Any, request_ids: Sequence[int], config: ASKSConfig
+) -> Alignment | None:
+    """The best realignment of ``request_ids`` against any cached sequence (longest remainder).
+
+    None unless it serves at least ``min_reuse_tokens`` more prompt tokens from the cache than the
+    token-exact match does, so a prompt the cache already holds exactly keeps its exact KV.
+    """
+    best: Alignment | None = None
+    for cached in candidate_sequences(prefix_cache, request_ids, config.max_candidates):
+        found = align_after_prefix(request_ids, cached, config.max_span_tokens, config.min_reuse_tokens)
+        if found is not None and (best is None or found.remainder_tokens > best.remainder_tokens):
+            best = found
+    if best is None:
+        return None
+    exact = min(exact_match_length(prefix_cache, request_ids), len(request_ids) - 1)
+    if best.prefix_tokens + best.remainder_tokens - exact < config.min_reuse_tokens:
+        return None
+    return best
+
+
+# -- similarity -----------------------------------------------------------------------------------
+def layer_weights(num_layers: int, alpha: float) -> torch.Tensor:
+    """``w_l = exp(alpha * l / L)`` for decoder layers ``l = 1..L``, shape ``(L,)``."""
+    layers = torch.arange(1, num_layers + 1, dtype=torch.float64)
+    return torch.exp(alpha * layers / num_layers)
+
+
+def span_similarity(
+    request_hidden: Sequence[torch.Tensor], cached_hidden: Sequence[torch.Tensor], alpha: float
+) -> float:
+    """Layer-weighted cosine similarity of two spans' mean-pooled hidden states.
+
+    Args:
+        request_hidden: Per decoder layer, the request span's states ``(1, a, d)`` or ``(a, d)``.
+        cached_hidden: Per decoder layer, the cached span's states ``(1, b, d)`` or ``(b, d)``.
+        alpha: Depth emphasis; 0 weighs all layers equally, larger values favour deeper layers.
+
+    Returns:
+        ``sigma`` in [-1, 1]; 1 when both spans pool to parallel states at every layer.
+    """
+    if len(request_hidden) != len(cached_hidden) or not request_hidden:
+        raise ValueError("both spans need hidden states for the same, non-zero number of layers")
+    cosines = []
+    for h_req, h_cached in zip(request_hidden, cached_hidden):
+        pooled_req = h_req.reshape(-1, h_req.shape[-1]).double().mean(0)  # (d,)
+        pooled_cached = h_cached.reshape(-1, h_cached.shape[-1]).double().mean(0)
+        cosines.append(torch.nn.functional.cosine_similarity(pooled_req, pooled_cached, dim=0))
+    weights = layer_weights(len(cosines), alpha)
+    return float((weights * torch.stack(cosines).cpu()).sum() / weights.sum())
+
+
+# -- rotary re-rotation ---------------------------------------------------------------------------
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_embedding_of(model: Any) -> Any | None:
+    """The model's shared rotary embedding module (``model.model.rotary_emb``), or None."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "rotary_emb", None) or getattr(model, "rotary_emb", None)
+
+
+def supports_asks(model: Any) -> bool:
+    """Whether cached keys of ``model`` can be moved to new positions by a fixed rotation.
+
+    Needs one shared rotary embedding over the whole head (``rotate_half`` layout, as in Llama,
+    Mistral, Qwen and SmolLM) whose frequencies do not depend on the sequence length.
+    """
+    rotary = rotary_embedding_of(model)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return False
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return False
+    return getattr(rotary, "rope_type", "default") not in _LENGTH_DEPENDENT_ROPE
+
+
+def rerotate_keys(keys: torch.Tensor, shift: int, rotary_emb: Any) -> torch.Tensor:
+    """Move post-RoPE keys ``shift`` positions along (negative moves them back).
+
+    A key rotated for position ``p`` becomes the key rotated for ``p + shift``: RoPE rotates each
+    frequency pair by ``position * inv_freq``, and rotations compose, so this is exact up to rounding.
+
+    Args:
+        keys: Post-RoPE keys ``(..., T, D)``.
+        shift: Positions to add.
+        rotary_emb: The model's rotary embedding module, called as ``rotary_emb(x, position_ids)``.
+    """
+    if shift == 0:
+        return keys
+    probe = torch.empty(0, device=keys.device, dtype=torch.float32)
+    cos, sin = rotary_emb(probe, torch.tensor([[shift]], device=keys.device))  # (1, 1, D) each
+    # The module folds an attention scaling into cos/sin; a pure rotation must leave it out, since
+    # the cached keys already carry it once.
+    scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
+    cos, sin = cos[0, 0] / scale, sin[0, 0] / scale  # (D,)
+    rotated = keys.float() * cos + _rotate_half(keys.float()) * sin
+    return rotated.to(keys.dtype)
+
+
+# -- the prefill ----------------------------------------------------------------------------------
+@dataclass
+class ASKSPrefill:
+    """A prompt prefilled by ASKS (reused or fallen back).
+
+    Attributes:
+        cache: Batch-1 ``DynamicCache`` holding the whole prompt's KV.
+        last_logits: Logits of the last prompt position ``(1, V)``.
+        decision: What ASKS did, for the completion and the counters.
+        num_exact_tokens: Leading prompt tokens whose KV is exact (token-exact with a full recompute);
+            only these may go into the radix cache.
+        num_computed_tokens: Prompt tokens run through the model for this request.
+        num_reused_tokens: Prompt tokens whose KV came from the cache (exact prefix plus reused remainder).
+    """
+
+    cache: Any
+    last_logits: torch.Tensor
+    decision: ASKSDecision
+    num_exact_tokens: int
+    num_computed_tokens: int
+    num_reused_tokens: int
+
+    @property
+    def exact(self) -> bool:
+        return self.num_exact_tokens == self.cache.get_seq_length()
+
+
+Forward = Callable[..., Any]
+
+
+def _cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], model_config: Any) -> Any:
+    from transformers import DynamicCache
+
+    if not layers or layers[0][0].shape[-2] == 0:
+        return DynamicCache(config=model_config)
+    return DynamicCache(ddp_cache_data=layers, config=model_config)
+
+
+def _decoder_hidden(out: Any) -> list[torch.Tensor]:
+    # hidden_states = (embeddings, layer 1, ..., layer L); keep the decoder layers' outputs.
+    return list(out.hidden_states[1:])
+
+
+@torch.inference_mode()
+def prefill_with_asks(
+    prompt_ids: list[int],
+    alignment: Alignment,
+    cached_kv: torch.Tensor,
+    forward: Forward,
+    model: Any,
+    config: ASKSConfig,
+) -> ASKSPrefill:
+    """Prefill ``prompt_ids`` against the cached sequence of ``alignment``.
+
+    Args:
+        prompt_ids: The request's token ids.
+        alignment: Its realignment with a cached sequence (``find_alignment``).
+        cached_kv: KV of the cached sequence, ``(L, 2, H_kv, T, D)`` with ``T >= k + b + m``.
+        forward: ``forward(input_ids (1, T), cache, **kwargs)`` running the model on top of ``cache``.
+        model: The ``transformers`` model (for its config and rotary embedding).
+        config: ASKS settings (``tau``, ``alpha``, ``recompute_fraction``).
+    """
+    k, a, b, m = (alignment.prefix_tokens, alignment.request_span_tokens,
+                  alignment.cached_span_tokens, alignment.remainder_tokens)
+    cached_ids = alignment.cached_ids
+    device = cached_kv.device
+
+    def prefix_layers() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(cached_kv[i, 0, :, :k][None], cached_kv[i, 1, :, :k][None]) for i in range(cached_kv.shape[0])]
+
+    def run(ids: Sequence[int], cache: Any, **kwargs: Any) -> Any:
+        return forward(torch.tensor([list(ids)], device=device), cache, logits_to_keep=1, **kwargs)
+
+    # The cached span's hidden states, recomputed over the exact shared prefix; its KV is thrown away.
+    check_cache = _cache_from_layers(prefix_layers(), model.config)
+    cached_hidden = _decoder_hidden(run(cached_ids[k:k + b], check_cache, output_hidden_states=True))
+    del check_cache
+    # The request's span: exact KV that the request keeps whatever the decision.
+    cache = _cache_from_layers(prefix_layers(), model.config)
+    out = run(prompt_ids[k:k + a], cache, output_hidden_states=True)
+    sigma = span_similarity(_decoder_hidden(out), cached_hidden, config.alpha)
+
+    def decision(reused: bool, reused_tokens: int, recomputed_tokens: int) -> ASKSDecision:
+        return ASKSDecision(
+            reused=reused, sigma=sigma, tau=config.tau, prefix_tokens=k, request_span_tokens=a,
+            cached_span_tokens=b, remainder_tokens=m, position_shift=a - b, reused_tokens=reused_tokens,
+            recomputed_tokens=recomputed_tokens, check_tokens=b,
+        )
+
+    if max(sigma, 0.0) < config.tau:  # a negative similarity counts as 0, so tau = 0 always reuses
+        # Fall back: compute the rest of the prompt exactly on top of the exact prefix and span.
+        out = run(prompt_ids[k + a:], cache)
+        return ASKSPrefill(cache, out.logits[:, -1, :], decision(False, 0, m), len(prompt_ids),
+                           len(prompt_ids) - k, k)
+
+    # Recompute the remainder tokens nearest the span exactly, reuse the rest.
+    num_recomputed = min(m, int(round(config.recompute_fraction * m)))
+    if num_recomputed:
+        run(prompt_ids[k + a:k + a + num_recomputed], cache)
+    reused = m - num_recomputed
+    # KV up to exact_end is exact; the tail after a reused remainder attends to approximate KV.
+    exact_end = k + a + num_recomputed if reused else len(prompt_ids)
+    if reused:
+        rotary = rotary_embedding_of(model)
+        start = k + b + num_recomputed
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            keys = rerotate_keys(cached_kv[i, 0, :, start:start + reused][None], a - b, rotary)  # (1, H, T, D)
+            values = cached_kv[i, 1, :, start:start + reused][None]
+            layers.append((torch.cat((layer.keys, keys), dim=-2), torch.cat((layer.values, values), dim=-2)))
+        cache = _cache_from_layers(layers, model.config)
+    out = run(prompt_ids[k + a + m:], cache)
+    return ASKSPrefill(
+        cache, out.logits[:, -1, :], decision(reused > 0, reused, num_recomputed), exact_end,
+        len(prompt_ids) - k - reused, k + reused,
+    )

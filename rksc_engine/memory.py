@@ -1,0 +1,119 @@
+"""Out-of-memory recovery for forward passes: roll the request's KV back, free prefix-cache memory,
+shrink the cache budget, and retry with backoff (``tenacity``); a pass that still does not fit ends
+in ``ForwardOutOfMemoryError``.
+
+Promises:
+    * A failed try leaves the request's ``transformers`` cache exactly as it was before the try:
+      layers that had already appended the new positions' KV are cropped back, so a retry never sees
+      a position twice and a final failure leaves the caller's cache usable.
+    * ``on_oom`` runs between tries (never after the last), so a retry count is the number of times
+      memory was freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_none,
+)
+
+T = TypeVar("T")
+
+# torch.OutOfMemoryError is CUDA/MPS/XPU running out; MemoryError is the host allocator.
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
+
+
+class ForwardOutOfMemoryError(RuntimeError):
+    """A forward pass ran out of memory on every try, after the prefix cache was shrunk between tries."""
+
+
+def cache_lengths(cache: Any) -> list[int] | None:
+    """Per-layer sequence length of a ``transformers`` cache, or None when it has no such layers."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(layer, "get_seq_length") for layer in layers):
+        return None
+    return [layer.get_seq_length() for layer in layers]
+
+
+def roll_back(cache: Any, lengths: list[int] | None) -> None:
+    """Crop each layer of ``cache`` back to ``lengths`` (from ``cache_lengths`` before the try).
+
+    A pass that fails mid-way has appended the new positions to the first layers only, so each layer
+    is cropped by its own excess (``layer.crop(-excess)``, the ``transformers`` >= 5 convention).
+
+    Raises:
+        ForwardOutOfMemoryError: a layer holds new positions but cannot be cropped; retrying would
+            feed those positions twice, so the pass is not retried.
+    """
+    if lengths is None:
+        return
+    for index, (layer, length) in enumerate(zip(cache.layers, lengths)):
+        excess = layer.get_seq_length() - length
+        if excess <= 0:
+            continue
+        if not hasattr(layer, "crop"):
+            raise ForwardOutOfMemoryError(
+                f"forward pass ran out of memory after layer {index} had cached its new positions, and "
+                f"{type(layer).__name__} cannot be cropped back, so the pass is not retried"
+            )
+        layer.crop(-excess)
+
+
+def run_with_oom_retry(
+    forward: Callable[[], T],
+    cache: Any,
+    *,
+    on_oom: Callable[[BaseException, int], None],
+    max_attempts: int,
+    backoff_s: float,
+) -> T:
+    """Run ``forward()``; on an out-of-memory error roll ``cache`` back, call ``on_oom(error,
+    attempt)`` and try again, at most ``max_attempts`` tries in all.
+
+    Args:
+        forward: The pass; it appends to ``cache``.
+        cache: The request's ``transformers`` cache (per-layer ``get_seq_length``/``crop``), or None.
+        on_oom: Frees memory between tries (evict, shrink the budget, empty the allocator cache).
+        max_attempts: Tries in all, >= 1.
+        backoff_s: First wait between tries; doubles each retry (capped at 2 s).
+
+    Raises:
+        ForwardOutOfMemoryError: every try ran out of memory (the last error is its ``__cause__``).
+    """
+    lengths = cache_lengths(cache)
+
+    def attempt() -> T:
+        try:
+            return forward()
+        except OOM_ERRORS as error:
+            try:
+                roll_back(cache, lengths)
+            except ForwardOutOfMemoryError as unrecoverable:
+                raise unrecoverable from error
+            raise
+
+    wait = wait_exponential(multiplier=backoff_s, min=backoff_s, max=max(backoff_s, 2.0)) if backoff_s else wait_none()
+    retrying = Retrying(
+        stop=stop_after_attempt(max_attempts),
+        wait=wait,
+        retry=retry_if_exception_type(OOM_ERRORS),
+        before_sleep=lambda state: on_oom(state.outcome.exception(), state.attempt_number),
+        reraise=False,
+    )
+    try:
+        return retrying(attempt)
+    except RetryError as error:
+        last = error.last_attempt.exception()
+        raise ForwardOutOfMemoryError(
+            f"forward pass ran out of memory on all {max_attempts} tries, with the prefix cache evicted and "
+            f"its budget shrunk between tries; lower the batch (n), the prompt length or "
+            f"rsbcm.cache_budget_mb. Last error: {type(last).__name__}: {last}"
+        ) from last

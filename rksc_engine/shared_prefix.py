@@ -1,0 +1,377 @@
+"""Shared-prefix decoding: one copy of the prompt's KV for all branches, attention split in two.
+
+``n`` sibling branches share a prompt of ``P`` tokens. The plain path copies the prompt's KV ``n``
+times (``batch_repeat_interleave``) and ``DynamicCache`` concatenates on every step, so each decode
+step re-reads ``n`` copies of the prompt and copies the whole cache again. Here instead (the
+Hydragen / "cascade attention" decomposition):
+
+* ``SharedPrefixCache`` keeps the prompt's keys and values once per layer, ``(1, H_kv, P, D)``, and
+  each branch's own generated tokens in a preallocated suffix buffer ``(B, H_kv, capacity, D)`` that
+  decode steps write into in place (the capacity doubles when full, so appends are amortised O(1)).
+* ``shared_prefix_attention``, registered in ``transformers``' ``AttentionInterface`` under
+  ``ATTENTION_NAME``, attends all branches' queries to the prefix as one batched product (the
+  prefix is read once per layer, not once per branch), attends each branch to its own suffix, and
+  merges the two partial softmaxes exactly by their log-sum-exp:
+  ``out = o_p * exp(lse_p - lse) + o_s * exp(lse_s - lse)``, ``lse = logaddexp(lse_p, lse_s)``.
+
+The model code is not forked: ``decode_step`` switches the model's attention implementation to
+``ATTENTION_NAME`` for one forward and passes the cache to the attention function through the
+forward's keyword arguments, which ``transformers`` models hand down to their attention calls.
+Not every model does (or can: sliding windows, soft-capping, attention sinks), so ``probe`` checks
+a model once, numerically against the plain path, and the engine falls back to ``DynamicCache``
+when it fails.
+
+Exactness: in float32 the split attention equals eager attention over the concatenated KV to
+rounding (``tests/unit/test_shared_prefix.py`` bounds it), and on the tiny test models the decoded
+tokens equal the plain path's token for token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+ATTENTION_NAME = "rksc_shared_prefix"
+# The forward keyword that carries the cache down to ``shared_prefix_attention``.
+CACHE_KWARG = "rksc_shared_prefix_cache"
+# Suffix capacity in tokens allocated up front for a call (it doubles when full): the call's token
+# budget, but at most this many, so a huge max_new_tokens does not reserve gigabytes it may not use.
+MAX_INITIAL_SUFFIX_CAPACITY = 1024
+MIN_SUFFIX_CAPACITY = 32
+
+
+def initial_suffix_capacity(max_new_tokens: int) -> int:
+    """Suffix tokens to preallocate per branch for a call allowed ``max_new_tokens``."""
+    return max(1, min(max_new_tokens, MAX_INITIAL_SUFFIX_CAPACITY))
+
+
+# -- attention ----------------------------------------------------------------------------------
+def _partial_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one block of keys, returning the output and its log-sum-exp.
+
+    Args:
+        query: (..., M, D).
+        keys: (..., N, D).
+        values: (..., N, D).
+        scale: Multiplier of the dot products.
+        mask: Optional boolean (M, N), True where a key is visible.
+
+    Returns:
+        ``(output (..., M, D), lse (..., M))``, both in float32: the block's normalised output and
+        ``log(sum(exp(scores)))`` over the block, which is what merging two blocks needs.
+    """
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale  # (..., M, N)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (..., M)
+    weights = torch.exp(scores - lse[..., None])
+    return torch.matmul(weights, values.float()), lse
+
+
+def _fused_cpu_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The same as ``_partial_attention`` without a mask, through PyTorch's fused CPU flash kernel
+    (the one SDPA uses), which also returns the log-sum-exp. ``None`` where it is unavailable."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or query.device.type != "cpu" or query.dim() != 4:
+        return None
+    output, lse = op(query, keys, values, 0.0, False, scale=scale)
+    return output.float(), lse.float()
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of ``B`` branches over one shared prefix plus each branch's own suffix.
+
+    Called by ``transformers`` attention modules in place of eager/SDPA attention (signature of
+    ``AttentionInterface`` functions). ``key``/``value`` are what ``SharedPrefixCache.update``
+    returned for this layer: the branches' suffixes, new tokens included.
+
+    Args:
+        module: The attention module; its ``layer_idx`` picks the prefix, its
+            ``num_key_value_groups`` gives the GQA group size.
+        query: (B, H, T, D), the T new tokens' queries (T = 1 when decoding).
+        key: (B, H_kv, S, D), suffix keys; the last T are the new tokens'.
+        value: (B, H_kv, S, D).
+        attention_mask: Must be ``None``: branches in a batch always have equal lengths, so only
+            causality among the T new tokens needs masking, and that is done here.
+        scaling: Dot-product scale; default ``D ** -0.5``.
+        dropout: Must be 0 (inference only).
+        **kwargs: Must hold ``CACHE_KWARG``; ``softcap``, sliding windows and sinks are refused.
+
+    Returns:
+        ``(output (B, T, H, D), None)``.
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    if not isinstance(cache, SharedPrefixCache):
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the cache passed as the {CACHE_KWARG!r} keyword")
+    if attention_mask is not None or dropout or kwargs.get("softcap") is not None \
+            or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None \
+            or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME} supports plain causal attention only")
+    layer = cache.layers[module.layer_idx]
+    cache.num_attention_calls += 1
+    batch, num_heads, num_new, head_dim = query.shape
+    num_kv_heads, suffix_len = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads  # GQA: head h reads KV head h // group
+    scale = head_dim**-0.5 if scaling is None else float(scaling)
+    # Query rows of one KV head: its group's heads of every branch and new token.
+    q = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # (B, H_kv, G*T, D)
+
+    # Prefix: every branch's queries against the one stored copy, as one product per KV head.
+    q_prefix = q.transpose(0, 1).reshape(1, num_kv_heads, batch * group * num_new, head_dim)  # (1, H_kv, B*G*T, D)
+    fused = _fused_cpu_attention(q_prefix, layer.prefix_keys, layer.prefix_values, scale) if cache.fused else None
+    out_p, lse_p = fused if fused is not None else _partial_attention(
+        q_prefix, layer.prefix_keys, layer.prefix_values, scale
+    )
+    out_p = out_p.reshape(num_kv_heads, batch, group * num_new, head_dim).transpose(0, 1)  # (B, H_kv, G*T, D)
+    lse_p = lse_p.reshape(num_kv_heads, batch, group * num_new).transpose(0, 1)  # (B, H_kv, G*T)
+
+    # Suffix: each branch against its own tokens; new token i sees suffix positions <= S - T + i.
+    mask = None
+    if num_new > 1:
+        visible = torch.arange(suffix_len, device=query.device)[None, :] <= (
+            torch.arange(num_new, device=query.device)[:, None] + suffix_len - num_new
+        )  # (T, S)
+        mask = visible.repeat(group, 1)  # rows of q are (group, token) pairs, token fastest
+    out_s, lse_s = _partial_attention(q, key, value, scale, mask)  # (B, H_kv, G*T, D), (B, H_kv, G*T)
+
+    # Exact merge of the two partial softmaxes.
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+    out = out.reshape(batch, num_heads, num_new, head_dim).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
+
+
+# -- the cache ----------------------------------------------------------------------------------
+class SharedPrefixLayer(CacheLayerMixin):
+    """One layer's KV: the shared prefix once, and a preallocated per-branch suffix.
+
+    ``keys``/``values`` are the suffix buffers (B, H_kv, capacity, D); only the first
+    ``num_suffix_tokens`` positions hold data.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, num_branches: int, capacity: int):
+        super().__init__()
+        self.prefix_keys = prefix_keys  # (1, H_kv, P, D), never written
+        self.prefix_values = prefix_values
+        _, num_kv_heads, _, head_dim = prefix_keys.shape
+        self.device = prefix_keys.device
+        shape = (num_branches, num_kv_heads, max(capacity, 1), head_dim)
+        self.keys = torch.empty(shape, dtype=prefix_keys.dtype, device=self.device)
+        self.values = torch.empty(shape, dtype=prefix_values.dtype, device=self.device)
+        self.num_suffix_tokens = 0
+        self.is_initialized = True
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return self.prefix_keys.shape[2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Built initialised from the prefix; nothing to do lazily.
+        return None
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.keys.shape[2]
+        while capacity < needed:
+            capacity *= 2
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+            new[:, :, : self.num_suffix_tokens] = old[:, :, : self.num_suffix_tokens]
+            setattr(self, name, new)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' KV (B, H_kv, T, D) in place; return the suffix views (B, H_kv, S, D)."""
+        start, num_new = self.num_suffix_tokens, key_states.shape[2]
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"batch of {key_states.shape[0]} rows, but the cache holds {self.keys.shape[0]} branches")
+        if start + num_new > self.keys.shape[2]:
+            self._grow(start + num_new)
+        self.keys[:, :, start:start + num_new] = key_states
+        self.values[:, :, start:start + num_new] = value_states
+        self.num_suffix_tokens = start + num_new
+        return self.keys[:, :, : self.num_suffix_tokens], self.values[:, :, : self.num_suffix_tokens]
+
+    def get_seq_length(self) -> int:
+        return self.num_prefix_tokens + self.num_suffix_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the branches ``indices`` (the prefix is shared, so only the suffix moves).
+
+        Only the filled part of the suffix is gathered, into the front rows of the same buffer, so
+        dropping a finished branch costs its siblings' generated tokens, not the whole capacity."""
+        used, kept = self.num_suffix_tokens, len(indices)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            buffer[:kept, :, :used] = buffer[indices, :, :used]  # the gather copies before the write
+            setattr(self, name, buffer[:kept])
+
+    def reset(self) -> None:
+        self.num_suffix_tokens = 0
+
+
+class SharedPrefixCache(Cache):
+    """A ``transformers`` cache for ``B`` branches decoding after one shared prompt.
+
+    Args:
+        prefix_kv: Per layer, the prompt's ``(keys, values)``, each (1, H_kv, P, D); kept, not copied.
+        num_branches: Rows of the batch that will decode.
+        suffix_capacity: Tokens per branch to preallocate (the buffer doubles when full).
+        fused: Use PyTorch's fused CPU attention kernel for the prefix where available.
+
+    Example:
+        >>> cache = SharedPrefixCache.from_dynamic_cache(prefilled_cache, num_branches=8)
+        >>> with attention_implementation(model, ATTENTION_NAME):
+        ...     out = model(input_ids=tokens, cache=cache, use_cache=True, **cache.forward_kwargs())
+    """
+
+    def __init__(
+        self,
+        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        num_branches: int,
+        suffix_capacity: int = MIN_SUFFIX_CAPACITY,
+        fused: bool = True,
+    ) -> None:
+        if num_branches < 1:
+            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        layers = [SharedPrefixLayer(k, v, num_branches, suffix_capacity) for k, v in prefix_kv]
+        super().__init__(layers=layers)
+        self.fused = fused
+        self.num_attention_calls = 0  # how often shared_prefix_attention ran; `probe` checks it
+
+    @staticmethod
+    def can_share(cache: Any) -> bool:
+        """Whether ``cache`` is a batch-1 ``DynamicCache`` of plain layers, which ``from_dynamic_cache`` takes."""
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(
+            type(layer) is DynamicLayer and layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[0] == 1
+            for layer in layers
+        )
+
+    @classmethod
+    def from_dynamic_cache(
+        cls, cache: Any, num_branches: int, suffix_capacity: int = MIN_SUFFIX_CAPACITY, fused: bool = True
+    ) -> SharedPrefixCache:
+        """Share the KV of a batch-1 ``DynamicCache`` (the prefill's) among ``num_branches`` branches."""
+        if not cls.can_share(cache):
+            raise ValueError("the prefix must be a batch-1 DynamicCache of plain (non-sliding) layers")
+        return cls([(layer.keys, layer.values) for layer in cache.layers], num_branches, suffix_capacity, fused)
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a model forward needs to reach ``shared_prefix_attention``."""
+        return {CACHE_KWARG: self}
+
+    def stacked_kv(self, row: int) -> torch.Tensor:
+        """Branch ``row``'s whole sequence (prefix + suffix) as (L, 2, H_kv, T, D), the radix cache's layout."""
+        per_layer = []
+        for layer in self.layers:
+            s = layer.num_suffix_tokens
+            keys = torch.cat((layer.prefix_keys[0], layer.keys[row, :, :s]), dim=1)  # (H_kv, P + s, D)
+            values = torch.cat((layer.prefix_values[0], layer.values[row, :, :s]), dim=1)
+            per_layer.append(torch.stack((keys, values)))
+        return torch.stack(per_layer)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: Any, name: str) -> Iterator[None]:
+    """Run the block with ``model.config._attn_implementation`` set to ``name``, then restore it."""
+    config = model.config
+    if config._attn_implementation == name:
+        yield
+        return
+    # The setter recurses into sub-configs, which may hold implementations of their own: remember each.
+    configs = [config] + [getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {}]
+    previous = [(c, c._attn_implementation) for c in configs if c is not None]
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for sub, value in previous:  # the top config first: its setter overwrites the sub-configs
+            sub._attn_implementation = value
+
+
+# -- support check ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a model decodes correctly through the shared-prefix path, and why not if not."""
+
+    supported: bool
+    reason: str = ""
+    max_abs_logit_diff: float = 0.0
+
+
+def probe(model: Any, forward: Any) -> ProbeResult:
+    """Check once, numerically, that ``model`` decodes the same through ``SharedPrefixCache``.
+
+    It prefills four tokens, decodes one step for two branches both through ``DynamicCache``
+    (repeated rows) and through the shared-prefix path, and requires every attention layer to have
+    gone through ``shared_prefix_attention`` and the logits to agree to the model dtype's rounding.
+
+    Args:
+        model: A ``transformers`` causal LM.
+        forward: ``forward(input_ids, cache, **kwargs)`` returning an output with ``.logits``.
+    """
+    from transformers import DynamicCache
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+            return ProbeResult(False, "the model's cache has sliding-window or non-attention layers")
+        device = next(model.parameters()).device
+        vocab = int(model.config.get_text_config().vocab_size)
+        prompt = torch.tensor([[min(i + 3, vocab - 1) for i in range(4)]], device=device)
+        step = torch.tensor([[min(7, vocab - 1)], [min(11, vocab - 1)]], device=device)
+        with torch.inference_mode():
+            plain = DynamicCache(config=model.config)
+            forward(prompt, plain)
+            shared = SharedPrefixCache.from_dynamic_cache(plain, num_branches=2, suffix_capacity=2)
+            plain.batch_repeat_interleave(2)
+            want = forward(step, plain).logits[:, -1].float()
+            with attention_implementation(model, ATTENTION_NAME):
+                got = forward(step, shared, **shared.forward_kwargs()).logits[:, -1].float()
+    except Exception as error:  # any failure means: not supported, use the plain path
+        return ProbeResult(False, f"shared-prefix forward failed: {type(error).__name__}: {error}")
+    if shared.num_attention_calls != len(layers):
+        return ProbeResult(
+            False, f"the model ran shared_prefix_attention in {shared.num_attention_calls} of {len(layers)} layers"
+        )
+    diff = float((got - want).abs().max())
+    scale = float(want.abs().max()) or 1.0
+    tolerance = (1e-4 if model.dtype == torch.float32 else 5e-2) * max(scale, 1.0)
+    if not math.isfinite(diff) or diff > tolerance:
+        return ProbeResult(False, f"logits differ from the plain path by {diff:.3g} (> {tolerance:.3g})", diff)
+    return ProbeResult(True, "", diff)

@@ -1,0 +1,362 @@
+"""Tree search over reasoning steps (beam search, tree-of-thought style) inside the RSBCM cache budget.
+
+Each frontier node is expanded into ``breadth`` children, one reasoning step each (generation stops
+at ``step_delimiter``), decoded as one batch over the parent's cached KV. Children are scored (their
+path's confidence, a ``Verifier``, or any ``fn(question, paths) -> scores``), the best ``beam`` are
+kept, and the search stops at ``depth`` steps or when no unfinished node is left.
+
+What the cache is told:
+    A node's ``branch_score`` is its path's score and its ``depth`` the number of steps from the
+    root; after every expansion the expanded path is annotated with both (``engine.annotate_cache``)
+    so ``omega = branch_score / (depth + 1)`` eviction reads them. A branch the beam dropped is never
+    expanded again, so with ``demote_pruned`` (default) its cached KV is annotated with score 0 and
+    RSBCM evicts it first. The prompt (the root) keeps score 1.0 at depth 0.
+
+Determinism:
+    Expanding node ``i`` samples its children with seeds ``seed + i * breadth + k`` (``k`` < breadth),
+    so a search with a given ``params.seed`` makes the same tree whatever the cache budget or policy:
+    evicted KV is recomputed exactly.
+
+Which KV gets cached: a node's step enters the prefix cache when the node is expanded (its prompt is
+the parent's path plus the step; only the step is computed, the rest is a cache hit). Children the
+beam drops are never prefilled, so they cost no cache memory.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .cgee import CGEEConfig
+from .config import SamplingParams
+from .datasets import Problem, few_shot_messages
+from .reasoning import EXTRACTORS
+from .verifier import CallableVerifier, LLMJudgeVerifier, Verifier
+
+PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
+SCORER_NAMES = ("confidence", "judge")
+
+
+@dataclass
+class SearchNode:
+    """One reasoning step in the search tree.
+
+    Attributes:
+        index: Position in ``SearchResult.nodes`` (the root is 0); creation order.
+        parent: Index of the parent, None for the root.
+        depth: Steps from the root (root 0).
+        text: This step's text, cut before the step delimiter (empty for the root).
+        token_ids: This step's generated tokens, as fed to the next step.
+        branch_score: Score of the path root..this node (the root: 1.0).
+        finish_reason: The step's ``Completion.finish_reason`` (None for the root).
+        is_final: The path ended here: an answer (``final_marker``), EOS, a user stop string, or
+            the context window.
+        status: ``"root"``, ``"expanded"`` (its children were generated), ``"kept"`` (in the beam,
+            not expanded: a final node or the last level), or ``"pruned"`` (dropped by the beam).
+        children: Indices of its children.
+    """
+
+    index: int
+    parent: int | None
+    depth: int
+    text: str
+    token_ids: tuple[int, ...]
+    branch_score: float
+    finish_reason: str | None
+    is_final: bool = False
+    status: str = "kept"
+    children: list[int] = field(default_factory=list)
+    # Sum of logprobs and count of generated tokens along the path root..this node (path confidence).
+    path_logprob_sum: float = 0.0
+    path_num_tokens: int = 0
+
+
+@dataclass
+class SearchResult:
+    """The outcome of a tree search.
+
+    Attributes:
+        answer: The answer extracted from the best path's text (None when it states none).
+        best_path: Nodes from the root to the chosen leaf.
+        best_score: The chosen leaf's ``branch_score``.
+        text: The chosen path's generated text (every step, as the model wrote it).
+        nodes: The whole tree with scores; ``nodes[0]`` is the root.
+        num_expansions: Nodes expanded (generation calls).
+        wall_s: Wall time of the search.
+    """
+
+    answer: str | None
+    best_path: list[SearchNode]
+    best_score: float
+    text: str
+    nodes: list[SearchNode]
+    num_expansions: int
+    wall_s: float
+
+    def path(self, index: int) -> list[SearchNode]:
+        """Nodes from the root to ``nodes[index]``."""
+        out = []
+        node: SearchNode | None = self.nodes[index]
+        while node is not None:
+            out.append(node)
+            node = None if node.parent is None else self.nodes[node.parent]
+        return out[::-1]
+
+    def format_tree(self) -> str:
+        """The tree as indented lines: ``[index] score status | step text``."""
+        lines: list[str] = []
+        on_best_path = {n.index for n in self.best_path}
+
+        def visit(i: int, indent: int) -> None:
+            node = self.nodes[i]
+            text = node.text.replace("\n", " ")[:70] if node.parent is not None else "(prompt)"
+            mark = "*" if i in on_best_path else " "
+            lines.append(f"{'  ' * indent}{mark}[{i}] {node.branch_score:.3f} {node.status:<8} | {text}")
+            for child in node.children:
+                visit(child, indent + 1)
+
+        visit(0, 0)
+        return "\n".join(lines)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _resolve_scorer(engine: Any, scorer: str | Verifier | PathScorer) -> Verifier | None:
+    """None means path confidence; anything else scores path texts."""
+    if isinstance(scorer, str):
+        if scorer not in SCORER_NAMES:
+            raise ValueError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {scorer!r}")
+        return None if scorer == "confidence" else LLMJudgeVerifier(engine)
+    if isinstance(scorer, Verifier):
+        return scorer
+    if callable(scorer):
+        return CallableVerifier(scorer)
+    raise TypeError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {type(scorer).__name__}")
+
+
+def tree_search(
+    engine: Any,
+    question: str,
+    *,
+    breadth: int = 3,
+    depth: int = 6,
+    beam: int | None = None,
+    step_delimiter: str = "\n",
+    scorer: str | Verifier | PathScorer = "confidence",
+    params: SamplingParams | None = None,
+    few_shot: Sequence[Problem] = (),
+    prompt: Any = None,
+    answer_extractor: str | Callable[[str], str | None] = "gsm8k",
+    final_marker: str | None = "####",
+    demote_pruned: bool = True,
+    cgee: CGEEConfig | None = None,
+    progress: bool = False,
+) -> SearchResult:
+    """Beam search over reasoning steps; see ``RKSCEngine.tree_search``.
+
+    Args:
+        engine: The ``RKSCEngine``.
+        question: The question (put into a few-shot chat prompt unless ``prompt`` is given).
+        breadth: Children per expanded node, >= 1.
+        depth: Most steps from the root, >= 1.
+        beam: Nodes kept per level, >= 1. Default ``breadth``.
+        step_delimiter: Ends a step (added to ``params.stop``). Default a newline.
+        scorer: ``"confidence"`` (default: the path's geometric-mean token probability), ``"judge"``
+            (``LLMJudgeVerifier`` on this engine), a ``Verifier``, or ``fn(question, path_texts) -> scores``.
+            Scores must be finite; ``omega`` eviction expects them in [0, 1].
+        params: Sampling per step. Default temperature 0.7, top_p 0.95, 48 new tokens per step, seed 0.
+            ``breadth > 1`` needs ``temperature > 0`` (greedy siblings would be identical).
+        few_shot: Worked problems for the default prompt.
+        prompt: Your own prompt (string, chat messages or token ids) instead of the few-shot one.
+        answer_extractor: ``"gsm8k"``, ``"choice"`` or ``fn(text) -> answer``.
+        final_marker: A step containing it ends its path (GSM8K's ``"####"``); None: only EOS,
+            user stop strings and the context window end a path.
+        demote_pruned: Annotate the cached KV of branches the beam dropped with score 0. Default True.
+        cgee: Passed to a ``Verifier`` scorer. Default ``CGEEConfig()``.
+        progress: Show a progress bar over levels.
+
+    Returns:
+        A ``SearchResult``.
+
+    Example:
+        >>> result = engine.tree_search("Tom has 3 bags of 4 apples. How many apples?", breadth=3, depth=6,
+        ...                             params=SamplingParams(temperature=0.8, max_new_tokens=40, seed=0))
+        >>> result.answer, result.best_score
+        >>> print(result.format_tree())
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    _check_positive_int("breadth", breadth)
+    _check_positive_int("depth", depth)
+    beam = breadth if beam is None else beam
+    _check_positive_int("beam", beam)
+    if not isinstance(step_delimiter, str) or not step_delimiter:
+        raise ValueError("step_delimiter must be a non-empty string")
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=48, seed=0) if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if breadth > 1 and params.greedy:
+        raise ValueError("breadth > 1 needs params.temperature > 0: greedy siblings would all be the same step")
+    if isinstance(answer_extractor, str):
+        if answer_extractor not in EXTRACTORS:
+            raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {answer_extractor!r}")
+        extract = EXTRACTORS[answer_extractor]
+    elif callable(answer_extractor):
+        extract = answer_extractor
+    else:
+        raise TypeError(f"answer_extractor must be a callable or a name, got {type(answer_extractor).__name__}")
+    if final_marker is not None and (not isinstance(final_marker, str) or not final_marker):
+        raise ValueError("final_marker must be a non-empty string or None")
+    cgee = CGEEConfig() if cgee is None else cgee
+    judge = _resolve_scorer(engine, scorer)
+    messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
+    root_ids = engine.encode(messages)
+    engine._check_request(root_ids, breadth, params)
+
+    search = _Search(engine, question, root_ids, breadth, beam, step_delimiter, judge, params, final_marker,
+                     demote_pruned, cgee)
+    start = time.perf_counter()
+    with engine._lock:  # one search at a time, so its stats and cache state are its own
+        search.run(depth, progress)
+    wall_s = time.perf_counter() - start
+    best = search.best()
+    best_path = search.path(best.index)
+    text = search.path_text(best.index)
+    return SearchResult(extract(text), best_path, best.branch_score, text, search.nodes, search.num_expansions, wall_s)
+
+
+class _Search:
+    """State of one search: the tree, each node's full token path, the beam."""
+
+    def __init__(self, engine: Any, question: str, root_ids: list[int], breadth: int, beam: int, delimiter: str,
+                 judge: Verifier | None, params: SamplingParams, final_marker: str | None, demote_pruned: bool,
+                 cgee: CGEEConfig) -> None:
+        self.engine, self.question, self.breadth, self.beam = engine, question, breadth, beam
+        self.delimiter, self.judge, self.final_marker = delimiter, judge, final_marker
+        self.demote_pruned, self.cgee = demote_pruned, cgee
+        self.base_seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
+        self.params = replace(params, stop=tuple(dict.fromkeys((delimiter, *params.stop))))
+        self.root_len = len(root_ids)
+        self.nodes = [SearchNode(0, None, 0, "", (), 1.0, None, status="root")]
+        self.path_ids: list[list[int]] = [list(root_ids)]
+        self.frontier: list[int] = [0]
+        self.finished: list[int] = []
+        self.expanded: list[int] = []
+        self.demoted: set[int] = set()
+        self.num_expansions = 0
+
+    def run(self, depth: int, progress: bool) -> None:
+        for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
+            children = [c for v in self.frontier for c in self._expand(v)]
+            if not children:
+                break
+            self._score(children)
+            ranked = sorted(children, key=lambda i: (-self.nodes[i].branch_score, i))
+            kept = ranked[: self.beam]
+            for i in ranked[self.beam:]:
+                self.nodes[i].status = "pruned"
+            self.frontier = [i for i in kept if not self.nodes[i].is_final]
+            self.finished += [i for i in kept if self.nodes[i].is_final]
+            self._tell_cache()
+            if not self.frontier:
+                break
+
+    def _expand(self, index: int) -> list[int]:
+        node, ids = self.nodes[index], self.path_ids[index]
+        if len(ids) >= self.engine.context_window - 1:
+            node.is_final, node.finish_reason = True, "length"
+            self.finished.append(index)
+            return []
+        params = replace(self.params, seed=self.base_seed + index * self.breadth)
+        completions = self.engine.generate_branches(ids, self.breadth, params)
+        self.num_expansions += 1
+        node.status = "expanded"
+        self.expanded.append(index)
+        self._annotate_path(index)  # the prefill just cached this node's step with default scores
+        tokenizer = self.engine.tokenizer
+        out = []
+        for completion in completions:
+            step_ids = [t for t in completion.token_ids if t not in self.engine._eos_ids]
+            raw = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            ended_by_other_stop = completion.finish_reason == "stop" and self.delimiter not in raw
+            is_final = (completion.finish_reason == "eos" or ended_by_other_stop
+                        or (self.final_marker is not None and self.final_marker in completion.text))
+            child = SearchNode(
+                len(self.nodes), index, node.depth + 1, completion.text, tuple(step_ids), 0.0,
+                completion.finish_reason, is_final=is_final,
+                path_logprob_sum=node.path_logprob_sum + sum(completion.logprobs),
+                path_num_tokens=node.path_num_tokens + len(completion.logprobs),
+            )
+            self.nodes.append(child)
+            self.path_ids.append(ids + step_ids)
+            node.children.append(child.index)
+            out.append(child.index)
+        return out
+
+    def _score(self, children: list[int]) -> None:
+        if self.judge is None:
+            for i in children:
+                node = self.nodes[i]
+                node.branch_score = math.exp(node.path_logprob_sum / node.path_num_tokens) if node.path_num_tokens else 0.0
+            return
+        texts = [self.path_text(i) for i in children]
+        scores = self.judge.score(self.question, texts, self.cgee)
+        if len(scores) != len(children):
+            raise ValueError(f"scorer returned {len(scores)} scores for {len(children)} paths")
+        for i, s in zip(children, scores):
+            value = float(s.score)
+            if not math.isfinite(value):
+                raise ValueError(f"scorer returned a non-finite score {value} for node {i}")
+            self.nodes[i].branch_score = value
+
+    def _annotate_path(self, index: int) -> None:
+        """Give every step on the path root..index its score and depth in the prefix cache."""
+        for node in self.path(index)[1:]:
+            self._annotate(node.index, node.branch_score)
+
+    def _annotate(self, index: int, branch_score: float) -> None:
+        node = self.nodes[index]
+        self.engine.annotate_cache(self.path_ids[index], start=len(self.path_ids[node.parent]),
+                                   branch_score=branch_score, depth=node.depth)
+
+    def _tell_cache(self) -> None:
+        """After a level: expanded nodes no kept branch descends from are dead (score 0); then the
+        live paths are re-annotated, so KV shared between a dead and a live step keeps the live score."""
+        if not self.demote_pruned:
+            return
+        alive: set[int] = set()
+        for i in self.frontier:
+            alive.update(n.index for n in self.path(i))
+        for i in self.expanded:
+            if i and i not in alive and i not in self.demoted:  # the root (the prompt) is never demoted
+                self._annotate(i, 0.0)
+                self.demoted.add(i)
+        for i in self.frontier:
+            self._annotate_path(self.nodes[i].parent)
+
+    def best(self) -> SearchNode:
+        """The best finished path; when none finished, the best of the last beam."""
+        pool = self.finished or self.frontier or [0]
+        return max((self.nodes[i] for i in pool), key=lambda n: (n.branch_score, -n.index))
+
+    def path(self, index: int) -> list[SearchNode]:
+        out = []
+        i: int | None = index
+        while i is not None:
+            out.append(self.nodes[i])
+            i = self.nodes[i].parent
+        return out[::-1]
+
+    def path_text(self, index: int) -> str:
+        return self.engine.tokenizer.decode(self.path_ids[index][self.root_len:], skip_special_tokens=True)

@@ -1,0 +1,547 @@
+"""``MultiBranchReasoner``: the engine's verified self-consistency pipeline as a LangChain Runnable.
+
+One call answers one question: ``n`` sibling branches decode over one prefill of the (cached)
+few-shot prompt, each branch's answer is extracted, the answers are voted with confidence weights,
+and the vote is verified (or the verification skipped by CGEE level 1) before one answer is picked.
+All of that is ``RKSCEngine.reason``; this module translates LangChain input into its keywords and
+its ``ReasoningResult`` into a typed, serialisable ``ReasonerOutput``, and reports the decisions as
+LangChain custom events::
+
+    reasoner = MultiBranchReasoner(n=8, few_shot=synthetic_problems(8, seed=1), seed=0)
+    chain = {"question": RunnablePassthrough()} | reasoner | RunnableLambda(lambda out: out.answer)
+    collector = RKSCEventCollector()
+    chain.invoke("A baker makes 4 trays of 12 muffins and sells 30. How many are left?",
+                 config={"callbacks": [collector]})
+    collector.data(VOTE_EVENT)  # [{"votes": {...}, "shares": {...}, ...}]
+
+Input (one of):
+    * a question string;
+    * ``{"question": str}``, optionally with ``"few_shot"`` (a list of ``Problem``) overriding the
+      field for this input, or ``"messages"`` (the whole prompt as chat messages, question last);
+    * a ``PromptValue`` from an upstream prompt template: a string prompt is the question; a chat
+      prompt is sent as is and its last human message is the question the verifier sees.
+
+Output: a ``ReasonerOutput`` (answer, votes, branches, the CGEE decision, the call's cache
+accounting); ``ReasonerOutput.result`` is the engine's full ``ReasoningResult``.
+
+Events, sent on every call to the callbacks of the reasoner's run (and so in ``astream_events``):
+``rksc_vote`` (the vote), ``rksc_cgee`` (verification skipped or not, why, scores, exit layers),
+``rksc_early_exit`` (only when a verifier pass stopped before the last layer) and
+``rksc_cache_reuse`` (prompt tokens computed vs served from the prefix cache during the call, and
+the one prefill the branches shared).
+``RKSCEventCollector`` gathers them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.callbacks import (
+    BaseCallbackHandler,
+    CallbackManagerForChainRun,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
+from langchain_core.messages import BaseMessage
+from langchain_core.prompt_values import ChatPromptValue, PromptValue
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
+from langchain_core.runnables.config import patch_config
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from rksc_engine import EngineConfig, EngineStats, RKSCEngine, SamplingParams
+from rksc_engine.cgee import CGEEConfig
+from rksc_engine.datasets import SYSTEM_PROMPT, Problem, few_shot_messages
+from rksc_engine.reasoning import EXTRACTORS, ReasoningResult
+from rksc_engine.verifier import CallableVerifier, Verifier
+
+from .._async import run_in_thread
+from ._base import CACHE_EVENT, shared_engine
+
+VOTE_EVENT = "rksc_vote"
+CGEE_EVENT = "rksc_cgee"
+EARLY_EXIT_EVENT = "rksc_early_exit"
+REASONER_EVENTS = (VOTE_EVENT, CGEE_EVENT, EARLY_EXIT_EVENT, CACHE_EVENT)
+
+# Per-call keyword arguments (``reasoner.invoke(q, n=4)`` or ``reasoner.bind(n=4)``).
+CALL_KWARGS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "seed", "stop", "cgee")
+INPUT_KEYS = ("question", "few_shot", "messages")
+_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+
+ReasonerInput = str | dict[str, Any] | PromptValue
+
+
+# -- output -----------------------------------------------------------------------------------------
+class ReasonerBranch(BaseModel):
+    """One branch: its text, the answer extracted from it, its confidence (exp mean token logprob)."""
+
+    text: str
+    answer: str | None
+    confidence: float
+
+
+class CGEEDecision(BaseModel):
+    """What verification did: CGEE level 1 skipped it or not (and why), scores, exit layers."""
+
+    skipped: bool
+    """The verifier did not run: the vote was confident enough (or had no answer)."""
+    reason: str
+    """Why it skipped or not, e.g. ``"p=0.62 < tau_conf=0.75"``."""
+    p: float
+    """The winner's confidence-weighted vote share."""
+    lead: float
+    """The winner's share minus the runner-up's."""
+    scores: dict[str, float] = Field(default_factory=dict)
+    """Verifier score per candidate answer, in [0, 1] (empty when skipped)."""
+    exit_layers: dict[str, int | None] = Field(default_factory=dict)
+    """Per candidate, the 0-based layer its verifier pass stopped at (None: a verifier without layers)."""
+    num_layers: int | None = None
+    """Decoder layers of the judge model, when the judge is the engine's."""
+    layers_saved: int = 0
+    """Layer forwards CGEE level 2 skipped, summed over candidates."""
+    verify_s: float = 0.0
+    """Wall time spent verifying."""
+    time_saved_s: float | None = None
+    """The engine's estimate of the time CGEE saved against full verification (None: unknown)."""
+
+    @property
+    def exited_early(self) -> bool:
+        return self.num_layers is not None and any(
+            layer is not None and layer < self.num_layers - 1 for layer in self.exit_layers.values()
+        )
+
+
+class CacheReuse(BaseModel):
+    """Prompt tokens of one reasoner call: computed vs served from the prefix cache.
+
+    The counters cover the whole call: the branches' single prefill and, when verification runs on
+    the engine's judge, the judge's prompts (whose shared question part is computed once). The engine
+    is held for the call, so no other call's tokens are in them.
+    """
+
+    model_name: str
+    num_prompt_tokens: int
+    """Tokens of the branches' prompt."""
+    num_branches: int
+    """Branches decoded over that prompt's single prefill."""
+    prompt_tokens_computed: int
+    """Prompt tokens whose KV was computed during the call."""
+    prompt_tokens_reused: int
+    """Prompt tokens whose KV came from the prefix cache during the call."""
+    prefills: int
+    """Prompt prefills run: 1 for all the branches, plus 1 when the judge prefills its shared question."""
+    decode_tokens: int
+    """Tokens the branches decoded, summed over branches."""
+
+
+class ReasonerOutput(BaseModel):
+    """What ``MultiBranchReasoner`` returns; ``str(output)`` is the answer (or "")."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    question: str
+    answer: str | None
+    """The picked answer: the vote winner, re-weighted by verifier scores when verification ran."""
+    votes: dict[str, int]
+    """Branches per extracted answer."""
+    vote_shares: dict[str, float]
+    """Confidence-weighted share per answer, best first."""
+    branches: list[ReasonerBranch]
+    cgee: CGEEDecision
+    cache: CacheReuse
+    generate_s: float
+    """Wall time of the branches' generation."""
+    result: ReasoningResult = Field(exclude=True, repr=False)
+    """The engine's full result (``VerificationReport``, ``VoteSummary``...)."""
+
+    def __str__(self) -> str:
+        return self.answer or ""
+
+
+# -- events -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RKSCEvent:
+    """One custom event as a handler saw it."""
+
+    name: str
+    data: dict[str, Any]
+    run_id: Any
+    tags: tuple[str, ...] = ()
+
+
+class RKSCEventCollector(BaseCallbackHandler):
+    """Collects rksc custom events (the reasoner's and the models' ``rksc_cache_reuse``).
+
+    Pass it as a callback: ``chain.invoke(x, config={"callbacks": [collector]})``; then read
+    ``collector.events`` or ``collector.data(VOTE_EVENT)``. Safe to share across threads and async tasks.
+    """
+
+    run_inline = True  # keep events in order, in the thread that sent them
+
+    def __init__(self, names: Sequence[str] | None = None) -> None:
+        """Args:
+            names: The event names to keep; default every name starting with ``rksc_``.
+        """
+        self.names = tuple(names) if names is not None else None
+        self.events: list[RKSCEvent] = []
+        self._lock = threading.Lock()
+
+    def on_custom_event(self, name: str, data: Any, *, run_id: Any, tags: list[str] | None = None,
+                        metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if (self.names is None and name.startswith("rksc_")) or (self.names is not None and name in self.names):
+            with self._lock:
+                self.events.append(RKSCEvent(name, data, run_id, tuple(tags or ())))
+
+    def data(self, name: str) -> list[dict[str, Any]]:
+        """The data of every collected event called ``name``, in order."""
+        with self._lock:
+            return [e.data for e in self.events if e.name == name]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+
+# -- the runnable -----------------------------------------------------------------------------------
+@dataclass
+class _Request:
+    question: str
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    n: int
+    cgee: CGEEConfig | None
+    num_prompt_tokens: int = 0
+
+
+class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
+    """Verified self-consistency over one cached prefix, as a Runnable (``prompt | reasoner | parser``).
+
+    Args:
+        llm: A ``ChatRKSC`` or ``RKSCLLM`` whose engine (and prefix cache) to share. Exclusive with
+            ``engine`` and ``model``; with none of them the embedded default engine is shared.
+        engine: An ``RKSCEngine``.
+        **fields: The fields below. ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
+            (or ``max_tokens``), ``seed``, ``stop`` and ``cgee`` can also be passed per call
+            (``invoke(q, n=4)``, ``.bind(n=4)``); other keyword arguments raise ``TypeError``.
+
+    ``batch`` runs its inputs one after another unless ``max_concurrency`` says otherwise: the
+    engine runs one generation at a time anyway, and in order the first question pays for the
+    shared few-shot prefix and the rest reuse it.
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    model: str | None = None
+    """Local Hugging Face model directory to load when no llm/engine is given; None: the embedded default."""
+    device: str = "auto"
+    """Device the model is loaded on when built from ``model``."""
+    dtype: str = "auto"
+    """Weights dtype when built from ``model``."""
+    engine_config: EngineConfig | None = Field(default=None, exclude=True)
+    """Engine settings when the engine is built here; None shares one engine per process."""
+    n: int = Field(default=8, ge=1)
+    """Sibling branches, decoded as one batch over a single prefill of the prompt."""
+    temperature: float = Field(default=0.7, ge=0)
+    """Sampling temperature of the branches (0 would make every branch the same)."""
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    """Nucleus mass in (0, 1]."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the k most likely tokens; 0 disables it."""
+    max_new_tokens: int = Field(default=160, gt=0, alias="max_tokens")
+    """Upper bound on tokens per branch (also accepted as ``max_tokens``)."""
+    stop: list[str] | None = None
+    """Strings that end a branch (the model's end-of-turn token ends it anyway)."""
+    seed: int | None = Field(default=None, ge=0)
+    """Seed of branch 0 (branch i uses seed + i); None draws a fresh seed per call."""
+    few_shot: list[Problem] = Field(default_factory=list)
+    """Worked examples rendered before the question as user/assistant turns: the shared, cached prefix."""
+    system_prompt: str = SYSTEM_PROMPT
+    """System instruction of the rendered prompt (default: solve step by step, end with '#### <number>')."""
+    answer_extractor: Any = "gsm8k"
+    """``"gsm8k"`` (``#### x``, else the last number), ``"choice"`` (A-E) or ``fn(text) -> answer | None``."""
+    verifier: Any = None
+    """None (the engine judges with Yes/No), a ``Verifier``, ``fn(question, candidates) -> scores``, or a
+    Runnable taking ``{"question", "candidates"}`` and returning one score in [0, 1] per candidate."""
+    cgee: CGEEConfig | None = None
+    """CGEE thresholds; None uses the engine's default."""
+
+    given_engine: RKSCEngine | None = Field(default=None, exclude=True, repr=False)
+    """The engine passed as ``engine`` or taken from ``llm``. A field so that LangChain, which rebuilds a
+    Runnable from its fields (``configurable_fields``), rebuilds this one on the same engine."""
+
+    _engine: RKSCEngine = PrivateAttr()
+
+    def __init__(self, llm: Any = None, *, engine: RKSCEngine | None = None, **fields: Any) -> None:
+        if engine is None:
+            engine = fields.pop("given_engine", None)
+        sources = [name for name, value in (("llm", llm), ("engine", engine), ("model", fields.get("model")))
+                   if value is not None]
+        if len(sources) > 1:
+            raise ValueError(f"pass at most one of llm, engine and model; got {' and '.join(sources)}")
+        if llm is not None:
+            engine = getattr(llm, "engine", None)
+            if not isinstance(engine, RKSCEngine):
+                raise TypeError(f"llm must be a ChatRKSC or RKSCLLM (anything with an RKSCEngine .engine), "
+                                f"got {type(llm).__name__}")
+        if engine is not None and not isinstance(engine, RKSCEngine):
+            raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
+        super().__init__(given_engine=engine, **fields)
+        self._sampling_params({})  # a bad combination fails here, not at the first call
+        self._engine = engine if engine is not None else shared_engine(
+            self.model, self.device, self.dtype, self.engine_config
+        )
+
+    @field_validator("answer_extractor")
+    @classmethod
+    def _check_extractor(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in EXTRACTORS:
+            raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {value!r}")
+        if not isinstance(value, str) and not callable(value):
+            raise ValueError(f"answer_extractor must be a callable or a name, got {type(value).__name__}")
+        return value
+
+    @field_validator("verifier")
+    @classmethod
+    def _check_verifier(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (Verifier, Runnable)) and not callable(value):
+            raise ValueError(f"verifier must be None, a Verifier, a callable or a Runnable, got {type(value).__name__}")
+        return value
+
+    @property
+    def engine(self) -> RKSCEngine:
+        """The engine; share it with a ``ChatRKSC`` (``ChatRKSC(engine=reasoner.engine)``) to share its cache."""
+        return self._engine
+
+    @property
+    def InputType(self) -> Any:  # noqa: N802 (LangChain's name)
+        return ReasonerInput
+
+    @property
+    def OutputType(self) -> type[ReasonerOutput]:  # noqa: N802
+        return ReasonerOutput
+
+    # -- Runnable -------------------------------------------------------------------------------
+    def invoke(self, input: ReasonerInput, config: RunnableConfig | None = None, **kwargs: Any) -> ReasonerOutput:
+        return self._call_with_config(self._reason, input, config, run_type="chain", **kwargs)
+
+    async def ainvoke(self, input: ReasonerInput, config: RunnableConfig | None = None, **kwargs: Any) -> ReasonerOutput:
+        return await self._acall_with_config(self._areason, input, config, run_type="chain", **kwargs)
+
+    def batch(self, inputs: list[ReasonerInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+              *, return_exceptions: bool = False, **kwargs: Any) -> list[ReasonerOutput]:
+        return super().batch(inputs, _one_at_a_time(config), return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch(self, inputs: list[ReasonerInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+                     *, return_exceptions: bool = False, **kwargs: Any) -> list[ReasonerOutput]:
+        return await super().abatch(inputs, _one_at_a_time(config), return_exceptions=return_exceptions, **kwargs)
+
+    def _reason(self, input: ReasonerInput, run_manager: CallbackManagerForChainRun, config: RunnableConfig,
+                **kwargs: Any) -> ReasonerOutput:
+        request = self._request(input, kwargs)
+        child = patch_config(config, callbacks=run_manager.get_child())
+        output = self._run(request, self._engine_verifier(child))
+        for name, data in _events(output):
+            dispatch_custom_event(name, data, config=child)
+        return output
+
+    async def _areason(self, input: ReasonerInput, run_manager: Any, config: RunnableConfig,
+                       **kwargs: Any) -> ReasonerOutput:
+        request = self._request(input, kwargs)
+        # The engine is synchronous; a worker thread runs it so the event loop stays free. A
+        # Runnable verifier is invoked from that thread, under the run's sync callbacks.
+        sync_child = patch_config(config, callbacks=run_manager.get_sync().get_child())
+        output = await run_in_thread(self._run, request, self._engine_verifier(sync_child))
+        child = patch_config(config, callbacks=run_manager.get_child())
+        for name, data in _events(output):
+            await adispatch_custom_event(name, data, config=child)
+        return output
+
+    # -- translation ----------------------------------------------------------------------------
+    def _sampling_params(self, kwargs: dict[str, Any]) -> tuple[SamplingParams, int]:
+        unknown = sorted(set(kwargs) - set(CALL_KWARGS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; per-call options are {list(CALL_KWARGS)}")
+        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
+            raise TypeError("pass max_tokens or max_new_tokens, not both")
+        n = kwargs.get("n", self.n)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        stop = kwargs.get("stop", self.stop) or ()
+        params = SamplingParams(
+            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            seed=kwargs.get("seed", self.seed),
+        )
+        return params, n
+
+    def _request(self, input: ReasonerInput, kwargs: dict[str, Any]) -> _Request:
+        """Validate one input and its call options; nothing in the engine has changed if this raises."""
+        params, n = self._sampling_params(kwargs)
+        cgee = kwargs.get("cgee", self.cgee)
+        if cgee is not None and not isinstance(cgee, CGEEConfig):
+            raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
+        question, messages = self._prompt(input)
+        num_prompt_tokens = len(self._engine.encode(messages))  # also rejects a bad prompt early
+        if num_prompt_tokens >= self._engine.context_window:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the model's context window is "
+                             f"{self._engine.context_window}")
+        return _Request(question, messages, params, n, cgee, num_prompt_tokens)
+
+    def _prompt(self, input: ReasonerInput) -> tuple[str, list[dict[str, str]]]:
+        """``(question, prompt messages)`` of one input (see the module docstring for the forms)."""
+        few_shot = self.few_shot
+        if isinstance(input, ChatPromptValue):
+            messages = _engine_messages(input.messages)
+            return _last_user_message(messages), messages
+        if isinstance(input, PromptValue):
+            input = input.to_string()
+        if isinstance(input, dict):
+            unknown = sorted(set(input) - set(INPUT_KEYS))
+            if unknown:
+                raise ValueError(f"input dict has unknown key(s) {unknown}; allowed keys are {list(INPUT_KEYS)}")
+            if "messages" in input:
+                if "few_shot" in input:
+                    raise ValueError("input dict: pass 'messages' or 'few_shot', not both")
+                raw = input["messages"]
+                if not isinstance(raw, list) or not raw:
+                    raise TypeError("input['messages'] must be a non-empty list of chat messages")
+                messages = _engine_messages(raw)
+                question = input.get("question", _last_user_message(messages))
+                return _check_question(question), messages
+            if "question" not in input:
+                raise ValueError(f"input dict needs a 'question' key (allowed keys: {list(INPUT_KEYS)})")
+            few_shot = input.get("few_shot", few_shot)
+            if not isinstance(few_shot, (list, tuple)) or not all(isinstance(p, Problem) for p in few_shot):
+                raise TypeError("input['few_shot'] must be a list of rksc_engine.datasets.Problem")
+            input = input["question"]
+        question = _check_question(input)
+        return question, few_shot_messages(question, list(few_shot), self.system_prompt)
+
+    def _engine_verifier(self, config: RunnableConfig) -> Verifier | None:
+        """The configured verifier as a ``Verifier``; a Runnable runs as a child of this run."""
+        if self.verifier is None or isinstance(self.verifier, Verifier):
+            return self.verifier
+        if not isinstance(self.verifier, Runnable):
+            return CallableVerifier(self.verifier)
+        runnable = self.verifier
+
+        def score(question: str, candidates: Sequence[str]) -> list[float]:
+            scores = runnable.invoke({"question": question, "candidates": list(candidates)}, config=config)
+            if not isinstance(scores, (list, tuple)) or not all(
+                isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores
+            ):
+                raise TypeError(f"the verifier Runnable must return a list of numbers, got {scores!r}"[:200])
+            return list(scores)
+
+        return CallableVerifier(score)
+
+    def _run(self, request: _Request, verifier: Verifier | None) -> ReasonerOutput:
+        engine = self._engine
+        keywords: dict[str, Any] = {"n": request.n, "params": request.params, "prompt": request.messages,
+                                    "answer_extractor": self.answer_extractor, "verifier": verifier}
+        if request.cgee is not None:
+            keywords["cgee"] = request.cgee
+        # Held for the whole call, so the stats delta is this call's alone.
+        with engine.exclusive():
+            before = engine.stats()
+            result = engine.reason(request.question, **keywords)
+            after = engine.stats()
+        return _output(request, result, _cache_reuse(engine.model_name, request, before, after))
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def _one_at_a_time(config: RunnableConfig | list[RunnableConfig] | None) -> RunnableConfig | list[RunnableConfig]:
+    if isinstance(config, list):
+        return [{"max_concurrency": 1, **c} for c in config]
+    return {"max_concurrency": 1, **(config or {})}
+
+
+def _check_question(question: Any) -> str:
+    if not isinstance(question, str):
+        raise TypeError(f"the question must be a string, got {type(question).__name__}")
+    if not question.strip():
+        raise ValueError("the question must be a non-empty string")
+    return question
+
+
+def _engine_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+    out = []
+    for i, message in enumerate(messages):
+        if isinstance(message, BaseMessage):
+            role, content = _ROLES.get(message.type), message.content
+            if role is None:
+                raise ValueError(f"messages[{i}] is a {type(message).__name__}; the reasoner takes system, "
+                                 f"human and AI messages")
+        elif isinstance(message, dict):
+            role, content = message.get("role"), message.get("content")
+        else:
+            raise TypeError(f"messages[{i}] must be a BaseMessage or a {{'role', 'content'}} dict, "
+                            f"got {type(message).__name__}")
+        if not isinstance(content, str):
+            raise TypeError(f"messages[{i}] content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _last_user_message(messages: list[dict[str, str]]) -> str:
+    for message in reversed(messages):
+        if message["role"] == "user":
+            return _check_question(message["content"])
+    raise ValueError("the prompt has no human/user message to take the question from")
+
+
+def _cache_reuse(model_name: str, request: _Request, before: EngineStats, after: EngineStats) -> CacheReuse:
+    return CacheReuse(
+        model_name=model_name,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_branches=request.n,
+        prompt_tokens_computed=after.prompt_tokens_computed - before.prompt_tokens_computed,
+        prompt_tokens_reused=after.prompt_tokens_reused - before.prompt_tokens_reused,
+        prefills=after.prefills - before.prefills,
+        decode_tokens=after.decode_tokens - before.decode_tokens,
+    )
+
+
+def _output(request: _Request, result: ReasoningResult, cache: CacheReuse) -> ReasonerOutput:
+    report = result.verification
+    decision = CGEEDecision(
+        skipped=report.skipped, reason=report.reason, p=report.p, lead=report.lead,
+        scores={s.answer: s.score for s in report.scores},
+        exit_layers={s.answer: s.exit_layer for s in report.scores},
+        num_layers=report.num_layers, layers_saved=report.layers_saved, verify_s=report.verify_s,
+        time_saved_s=getattr(report, "time_saved_s", None),
+    )
+    return ReasonerOutput(
+        question=request.question,
+        answer=result.answer,
+        votes=dict(result.votes.most_common()),
+        vote_shares=dict(result.vote_summary.shares),
+        branches=[ReasonerBranch(text=b.text, answer=b.answer, confidence=b.confidence) for b in result.branches],
+        cgee=decision,
+        cache=cache,
+        generate_s=result.generate_s,
+        result=result,
+    )
+
+
+def _events(output: ReasonerOutput) -> list[tuple[str, dict[str, Any]]]:
+    """The custom events of one call, JSON-serialisable."""
+    vote = {
+        "question": output.question, "answer": output.answer, "vote_winner": output.result.vote_summary.winner,
+        "votes": output.votes, "shares": output.vote_shares, "num_branches": len(output.branches),
+        "num_unanswered": sum(b.answer is None for b in output.branches),
+    }
+    events = [(VOTE_EVENT, vote), (CGEE_EVENT, output.cgee.model_dump())]
+    if output.cgee.exited_early:
+        events.append((EARLY_EXIT_EVENT, {
+            "exit_layers": output.cgee.exit_layers, "num_layers": output.cgee.num_layers,
+            "layers_saved": output.cgee.layers_saved,
+        }))
+    # Same name as the models' event; the counters are the whole call's (see CacheReuse).
+    events.append((CACHE_EVENT, {**output.cache.model_dump(), "num_generations": output.cache.num_branches}))
+    return events

@@ -1,0 +1,233 @@
+"""Shared-prefix decoding: the split attention equals eager attention over the concatenated KV, the
+engine's new path decodes the same tokens as the old DynamicCache path, and models the path does
+not support fall back to the old one."""
+
+import pytest
+import torch
+from conftest import make_char_tokenizer, make_tiny_model
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.shared_prefix import (
+    ATTENTION_NAME,
+    SharedPrefixCache,
+    attention_implementation,
+    probe,
+    shared_prefix_attention,
+)
+
+
+class _AttentionModule(torch.nn.Module):
+    """What the attention function reads from a transformers attention module."""
+
+    def __init__(self, num_key_value_groups: int):
+        super().__init__()
+        self.layer_idx = 0
+        self.num_key_value_groups = num_key_value_groups
+
+
+def _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, group):
+    """Reference: transformers' eager attention over [prefix; suffix], causal among the new tokens."""
+    batch, num_new = query.shape[0], query.shape[2]
+    keys = torch.cat((prefix_k.expand(batch, -1, -1, -1), suffix_k), dim=2)
+    values = torch.cat((prefix_v.expand(batch, -1, -1, -1), suffix_v), dim=2)
+    total = keys.shape[2]
+    mask = torch.zeros(num_new, total)
+    for i in range(num_new):
+        mask[i, total - num_new + i + 1:] = float("-inf")
+    out, _ = eager_attention_forward(
+        _AttentionModule(group), query, keys, values, mask[None, None], scaling=query.shape[-1] ** -0.5
+    )
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize("num_new", [1, 3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_attention_equals_eager_attention_over_the_concatenated_kv(num_heads, num_kv_heads, num_new, fused):
+    torch.manual_seed(num_heads * 10 + num_kv_heads + num_new)
+    batch, prefix_len, suffix_len, head_dim = 5, 37, 6, 16
+    prefix_k, prefix_v = torch.randn(2, 1, num_kv_heads, prefix_len, head_dim).unbind(0)
+    suffix_k, suffix_v = torch.randn(2, batch, num_kv_heads, suffix_len, head_dim).unbind(0)
+    query = torch.randn(batch, num_heads, num_new, head_dim)
+    cache = SharedPrefixCache([(prefix_k, prefix_v)], batch, suffix_capacity=4, fused=fused)
+    keys, values = cache.layers[0].update(suffix_k, suffix_v)
+    group = num_heads // num_kv_heads
+    got, _ = shared_prefix_attention(
+        _AttentionModule(group), query, keys, values, None, scaling=head_dim**-0.5, **cache.forward_kwargs()
+    )
+    want = _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, group)
+    assert got.shape == want.shape == (batch, num_new, num_heads, head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_the_suffix_is_written_in_place_and_survives_growing_past_its_capacity():
+    prefix = torch.randn(1, 2, 5, 4)
+    cache = SharedPrefixCache([(prefix, prefix.clone())], num_branches=3, suffix_capacity=2)
+    layer = cache.layers[0]
+    steps = [torch.randn(3, 2, 1, 4) for _ in range(5)]
+    buffer = layer.keys
+    layer.update(steps[0], steps[0])
+    layer.update(steps[1], steps[1])
+    assert layer.keys.data_ptr() == buffer.data_ptr(), "appends within capacity must not reallocate"
+    for step in steps[2:]:
+        keys, _ = layer.update(step, step)
+    torch.testing.assert_close(keys, torch.cat(steps, dim=2), rtol=0, atol=0)
+    assert cache.get_seq_length() == 5 + 5
+    assert layer.keys.shape[2] >= 5
+
+
+def test_dropping_finished_branches_keeps_the_survivors_suffixes_and_shares_the_prefix():
+    prefix = torch.randn(1, 2, 5, 4)
+    cache = SharedPrefixCache([(prefix, prefix.clone())], num_branches=4)
+    suffix = torch.randn(4, 2, 3, 4)
+    cache.layers[0].update(suffix, suffix)
+    cache.batch_select_indices(torch.tensor([1, 3]))
+    torch.testing.assert_close(cache.layers[0].keys[:, :, :3], suffix[[1, 3]], rtol=0, atol=0)
+    assert cache.layers[0].prefix_keys is prefix, "the prefix must stay one shared tensor"
+    stacked = cache.stacked_kv(1)  # (L, 2, H_kv, P + S, D) of the row that was branch 3
+    torch.testing.assert_close(stacked[0, 0], torch.cat((prefix[0], suffix[3]), dim=1), rtol=0, atol=0)
+
+
+def _engines(model_seed=0, **model_kwargs):
+    model, tokenizer = make_tiny_model(model_seed, **model_kwargs), make_char_tokenizer()
+    new = RKSCEngine(model, tokenizer, EngineConfig(decode_attention="shared_prefix"))
+    old = RKSCEngine(model, tokenizer, EngineConfig(decode_attention="dynamic_cache"))
+    return new, old
+
+
+@pytest.mark.parametrize("model_seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=30, temperature=0.9, seed=5),
+        SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9, seed=17),
+        SamplingParams(max_new_tokens=30, temperature=0.8, top_k=12, seed=3, stop=("e", "q")),
+        SamplingParams(max_new_tokens=20),
+    ],
+    ids=["temperature", "top_p", "top_k_with_stops", "greedy"],
+)
+def test_branches_through_the_shared_prefix_equal_the_dynamic_cache_path_token_for_token(model_seed, params):
+    new, old = _engines(model_seed)
+    prompt = "Shared few-shot context, long enough to matter. " * 3 + "Q: go?"
+    got = new.generate_branches(prompt, 7, params)
+    want = old.generate_branches(prompt, 7, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids, f"branch {g.branch_index} differs between the two decode paths"
+        assert g.finish_reason == w.finish_reason and g.text == w.text
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+    assert new.stats().decode_tokens == old.stats().decode_tokens
+
+
+def test_a_generation_that_outgrows_the_preallocated_suffix_still_matches_the_dynamic_cache_path(monkeypatch):
+    import rksc_engine.shared_prefix as shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MAX_INITIAL_SUFFIX_CAPACITY", 3)  # force several doublings
+    new, old = _engines(1)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=2)
+    got = new.generate_branches("grow", 3, params)
+    want = old.generate_branches("grow", 3, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert max(len(g.token_ids) for g in got) > 12, "test setup: some branch must outgrow 3 -> 6 -> 12 tokens"
+
+
+def test_the_models_attention_implementation_is_restored_after_decoding(tiny_model, tiny_tokenizer):
+    before = tiny_model.config._attn_implementation
+    engine = RKSCEngine(tiny_model, tiny_tokenizer)
+    engine.generate_branches("abc", 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    assert engine._shared_prefix_probe.supported
+    assert tiny_model.config._attn_implementation == before
+    with pytest.raises(RuntimeError):
+        with attention_implementation(tiny_model, ATTENTION_NAME):
+            raise RuntimeError("boom")
+    assert tiny_model.config._attn_implementation == before
+
+
+def _sliding_window_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=102, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, eos_token_id=1, pad_token_id=0,
+        bos_token_id=None, tie_word_embeddings=False,
+    )
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_a_sliding_window_model_falls_back_to_the_dynamic_cache_path_and_stays_exact(tiny_tokenizer):
+    model = _sliding_window_model()
+    engine = RKSCEngine(model, tiny_tokenizer)  # decode_attention="auto"
+    prompt = "a prompt longer than the eight-token window"
+    got = engine.generate(prompt, SamplingParams(max_new_tokens=16))
+    assert not engine._shared_prefix_probe.supported
+    assert "sliding" in engine._shared_prefix_probe.reason
+    ids = torch.tensor([tiny_tokenizer(prompt)["input_ids"]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert got.token_ids == tuple(want[0, ids.shape[1]:].tolist())
+
+
+def test_a_model_whose_attention_ignores_the_registry_fails_the_probe(tiny_model):
+    # The probe must notice when the attention function is never reached, whatever the reason.
+    class IgnoresRegistry(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, cache, **kwargs):
+            kwargs.pop("rksc_shared_prefix_cache", None)
+            return self.inner(input_ids=input_ids, cache=cache, use_cache=True)
+
+    wrapped = IgnoresRegistry(tiny_model)
+    result = probe(wrapped, wrapped.forward)
+    assert not result.supported
+    assert "failed" in result.reason or "layers" in result.reason
+
+
+def test_forcing_shared_prefix_on_an_unsupported_model_raises_and_leaves_the_engine_usable(tiny_tokenizer):
+    model = _sliding_window_model()
+    engine = RKSCEngine(model, tiny_tokenizer, EngineConfig(decode_attention="shared_prefix"))
+    with pytest.raises(ValueError, match="decode_attention"):
+        engine.generate("hello there", SamplingParams(max_new_tokens=4))
+    assert engine.stats().requests == 0 and engine.stats().prompt_tokens_computed == 0
+    assert model.config._attn_implementation != ATTENTION_NAME
+    plain = RKSCEngine(model, tiny_tokenizer, EngineConfig(decode_attention="dynamic_cache"))
+    assert plain.generate("hello there", SamplingParams(max_new_tokens=4)).num_generated_tokens == 4
+
+
+def test_an_unknown_decode_attention_mode_is_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        EngineConfig(decode_attention="flash")
+    with pytest.raises(TypeError, match="decode_attention"):
+        EngineConfig(decode_attention=1)
+
+
+def test_a_composite_models_per_sub_config_attention_implementations_are_restored():
+    from transformers import LlavaConfig
+
+    config = LlavaConfig()
+    config._attn_implementation = {"": "sdpa", "text_config": "eager", "vision_config": "sdpa"}
+
+    class Composite:
+        pass
+
+    Composite.config = config
+    with attention_implementation(Composite, ATTENTION_NAME):
+        assert config.text_config._attn_implementation == ATTENTION_NAME
+    assert (config._attn_implementation, config.text_config._attn_implementation,
+            config.vision_config._attn_implementation) == ("sdpa", "eager", "sdpa")
+
+
+def test_a_prefill_cache_that_cannot_be_shared_decodes_through_the_plain_path(tiny_engine):
+    from transformers import DynamicCache
+
+    layers = [(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)) for _ in range(2)]  # batch 2: not a prefill
+    cache = DynamicCache(ddp_cache_data=layers, config=tiny_engine.model.config)
+    assert not SharedPrefixCache.can_share(cache)
+    decode_cache, kwargs = tiny_engine._decode_cache(cache, 1, 8, shared_prefix=True)
+    assert decode_cache is cache and kwargs == {}
