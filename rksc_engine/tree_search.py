@@ -89,6 +89,8 @@ class SearchResult:
         nodes: The whole tree with scores; ``nodes[0]`` is the root.
         num_expansions: Nodes expanded (generation calls).
         wall_s: Wall time of the search.
+        cache_bytes_trace: Bytes held by the prefix cache after each expansion, in order, to see
+            the search grow against the RSBCM budget.
     """
 
     answer: str | None
@@ -98,6 +100,7 @@ class SearchResult:
     nodes: list[SearchNode]
     num_expansions: int
     wall_s: float
+    cache_bytes_trace: list[int] = field(default_factory=list)
 
     def path(self, index: int) -> list[SearchNode]:
         """Nodes from the root to ``nodes[index]``."""
@@ -233,7 +236,8 @@ def tree_search(
     best = search.best()
     best_path = search.path(best.index)
     text = search.path_text(best.index)
-    return SearchResult(extract(text), best_path, best.branch_score, text, search.nodes, search.num_expansions, wall_s)
+    return SearchResult(extract(text), best_path, best.branch_score, text, search.nodes, search.num_expansions, wall_s,
+                        search.cache_bytes_trace)
 
 
 class _Search:
@@ -255,6 +259,7 @@ class _Search:
         self.expanded: list[int] = []
         self.demoted: set[int] = set()
         self.num_expansions = 0
+        self.cache_bytes_trace: list[int] = []
 
     def run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
@@ -281,6 +286,7 @@ class _Search:
         params = replace(self.params, seed=self.base_seed + index * self.breadth)
         completions = self.engine.generate_branches(ids, self.breadth, params)
         self.num_expansions += 1
+        self.cache_bytes_trace.append(self.engine.prefix_cache.total_bytes)
         node.status = "expanded"
         self.expanded.append(index)
         self._annotate_path(index)  # the prefill just cached this node's step with default scores

@@ -227,3 +227,10 @@ def test_invalid_search_arguments_raise_before_touching_the_cache(tiny_model, ti
     assert engine.stats().requests == before.requests
     with pytest.raises(ValueError, match="question"):
         engine.tree_search("  ", params=PARAMS)
+
+
+def test_the_cache_bytes_trace_has_one_entry_per_expansion_and_stays_inside_the_budget(tiny_model, tiny_tokenizer):
+    engine = make_engine(tiny_model, tiny_tokenizer, budget_tokens=40)
+    result = search(engine, depth=4)
+    assert len(result.cache_bytes_trace) == result.num_expansions
+    assert all(0 < b <= engine.prefix_cache.budget_bytes for b in result.cache_bytes_trace)
