@@ -240,6 +240,19 @@ class SharedPrefixLayer(CacheLayerMixin):
             buffer[:kept, :, :used] = buffer[indices, :, :used]  # the gather copies before the write
             setattr(self, name, buffer[:kept])
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` suffix positions (the ``transformers`` >= 5
+        convention), so a decode step that ran out of memory half-way can be retried without feeding a
+        position twice. The buffers stay allocated; later steps overwrite the forgotten rows. The
+        shared prefix is never cropped."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        remove = -tokens_to_remove
+        if remove > self.num_suffix_tokens:
+            raise ValueError(f"cannot crop {remove} tokens from a {self.num_suffix_tokens}-token suffix; "
+                             "the shared prefix is not cropped")
+        self.num_suffix_tokens -= remove
+
     def reset(self) -> None:
         self.num_suffix_tokens = 0
 

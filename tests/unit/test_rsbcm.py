@@ -205,13 +205,14 @@ class InjectOOM:
         self.handle.remove()
 
 
+@pytest.mark.parametrize("decode_attention", ["dynamic_cache", "shared_prefix"])
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
 @pytest.mark.parametrize("skip", [0, 3], ids=["in-prefill", "in-decode"])
-def test_an_oom_injected_once_is_survived_by_eviction_and_retry(tiny_model, tiny_tokenizer, error, skip):
+def test_an_oom_injected_once_is_survived_by_eviction_and_retry(tiny_model, tiny_tokenizer, error, skip, decode_attention):
     reference = RKSCEngine(tiny_model, tiny_tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)))
-    # The decode case runs on DynamicCache, whose layers can be cropped back after a failed pass.
+    # Both decode caches crop their layers back after a failed pass, so a decode step is retried too.
     engine = _tiny_engine(tiny_model, tiny_tokenizer, oom_backoff_s=0,
-                          engine_kwargs={"decode_attention": "dynamic_cache"})
+                          engine_kwargs={"decode_attention": decode_attention})
     params = SamplingParams(max_new_tokens=12)
     engine.generate("something already cached", params)
     cached_before = engine.prefix_cache.total_bytes
