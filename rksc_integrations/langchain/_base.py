@@ -3,6 +3,8 @@ and how a ``Completion``'s accounting becomes LangChain metadata."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,8 @@ class RKSCFields(BaseModel):
             "num_cached_tokens": completion.num_cached_tokens,
             "branch_index": completion.branch_index,
             "seed": completion.seed,
+            # What ASKS decided for this prompt (spans, sigma, reused tokens), None when it did not act.
+            "asks": None if completion.asks is None else dataclasses.asdict(completion.asks),
         }
 
     def report(self, completion: Completion, n: int, run_manager: CallbackManagerForLLMRun | None) -> dict[str, Any]:

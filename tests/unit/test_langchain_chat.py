@@ -145,3 +145,19 @@ def test_bad_input_is_a_clear_error(chat):
         chat.bind_tools([Add], tool_choice="Subtract")
     with pytest.raises(ValueError, match="n must be 1"):
         list(chat.stream("hi", n=2))
+
+
+def test_response_metadata_carries_the_asks_decision_when_a_reworded_prompt_reuses_kv():
+    from rksc_engine import ASKSConfig, EngineConfig
+
+    engine = RKSCEngine(make_tiny_model(max_positions=4096), make_char_tokenizer(),
+                        EngineConfig(asks=ASKSConfig(enabled=True, tau=0.0)))
+    chat = ChatRKSC(engine=engine, max_tokens=4)
+    body = "Here is a long shared context that both prompts repeat word for word. " * 3
+    first = chat.invoke([SystemMessage("Answer briefly."), HumanMessage(body)])
+    assert first.response_metadata["asks"] is None, "nothing was cached yet, so ASKS had nothing to act on"
+    reworded = chat.invoke([SystemMessage("Please answer in few words."), HumanMessage(body)])
+    decision = reworded.response_metadata["asks"]
+    assert decision is not None and decision["reused"], decision
+    assert decision["reused_tokens"] >= 32
+    assert decision["position_shift"] == len("Please answer in few words.") - len("Answer briefly.")
