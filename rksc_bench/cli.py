@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split branches over this many instruction wordings (prompt-ensemble SC)")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth,
+                        help="depth of the RSBCM tree search whose cache bytes are plotted (0: skip)")
+    parser.add_argument("--tree-budget-mb", type=float, default=defaults.tree_budget_mb)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--out", default="rksc-bench-results", help="folder for bench.json, bench.md and PNG plots")
     parser.add_argument("--no-plots", action="store_true")
@@ -32,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             workload=args.workload, data=args.data, model=args.model, questions=args.questions,
             branches=args.branches, shots=args.shots, ensemble=args.ensemble,
             max_new_tokens=args.max_new_tokens, seed=args.seed,
+            tree_depth=args.tree_depth, tree_budget_mb=args.tree_budget_mb,
             arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
         )
     except (TypeError, ValueError) as exc:

@@ -36,25 +36,51 @@ from rksc_engine import RKSCEngine
 from rksc_engine.answers import extract_gsm8k_answer
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import EngineConfig, PrefixCacheConfig, SamplingParams, _check_type
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.datasets import (
+    CHOICE_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    Problem,
+    few_shot_messages,
+    load_choice_jsonl,
+    load_gsm8k_jsonl,
+    synthetic_choice_problems,
+    synthetic_problems,
+)
 from rksc_engine.reasoning import BranchAnswer, extract_choice_letter, verify_and_pick
-from rksc_engine.verifier import CallableVerifier, LLMJudgeVerifier
+from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
 
 ARMS = ("no_reuse", "cgee_only", "token_exact", "asks", "rksc", "langchain_hf")
 WORKLOADS = ("gsm8k", "choice")
 
-# Differently worded instructions for prompt-ensemble self-consistency; the first is the default
-# system prompt's meaning, the others say the same thing another way.
-INSTRUCTION_WORDINGS = (
-    "Solve the problem step by step, then give the final answer on its own line as '#### <answer>'.",
-    "Work through the question carefully and finish with a line of the form '#### <answer>'.",
-    "Think it over one step at a time. End your reply with '#### ' followed by the answer.",
-    "Reason about the problem in short steps and write the result last, as '#### <answer>'.",
-    "Explain your working briefly, then state the answer after '#### '.",
-    "Break the problem into steps, solve each, and close with '#### <answer>'.",
-    "Carefully compute the answer, showing each step, and put '#### <answer>' at the end.",
-    "Solve it. Show your reasoning, then write '#### ' and the final answer.",
-)
+# Differently worded instructions for prompt-ensemble self-consistency, per workload; the first is
+# the engine's default system prompt, the others say the same thing another way.
+INSTRUCTION_WORDINGS = {
+    "gsm8k": (
+        SYSTEM_PROMPT,
+        "Work through the question carefully and finish with a line of the form '#### <number>'.",
+        "Think it over one step at a time. End your reply with '#### ' followed by the number.",
+        "Reason about the problem in short steps and write the result last, as '#### <number>'.",
+        "Explain your working briefly, then state the numeric answer after '#### '.",
+        "Break the problem into steps, solve each, and close with '#### <number>'.",
+        "Carefully compute the answer, showing each step, and put '#### <number>' at the end.",
+        "Solve it. Show your reasoning, then write '#### ' and the final number.",
+    ),
+    "choice": (
+        CHOICE_SYSTEM_PROMPT,
+        "Pick the correct option. Think briefly, then finish with 'The answer is <letter>.'",
+        "Read the choices, reason in a sentence or two, and end with 'The answer is <letter>.'",
+        "Choose one letter. Explain shortly, then write 'The answer is <letter>.'",
+        "Answer the multiple-choice question: brief reasoning, then 'The answer is <letter>.'",
+        "Decide which option is right, say why in short, and close with 'The answer is <letter>.'",
+        "Consider each option briefly and end your reply with 'The answer is <letter>.'",
+        "Solve it and give the letter of the right option last, as 'The answer is <letter>.'",
+    ),
+}
+JUDGE_PROMPTS = {
+    "gsm8k": JUDGE_SYSTEM_PROMPT,
+    "choice": "You check answers to multiple-choice questions. Reply with Yes or No only.",
+}
+MAX_ENSEMBLE = min(len(w) for w in INSTRUCTION_WORDINGS.values())
 
 
 @dataclass(frozen=True)
@@ -76,6 +102,9 @@ class BenchConfig:
         seed: Base seed. Default 0.
         arms: Which arms to run, a subset of ``ARMS``. Default all.
         model: A local model directory, or None for the embedded default.
+        tree_depth: Depth of one RSBCM tree search (breadth 3, beam 2) on the first question whose
+            cache bytes are plotted; 0 skips it. Default 4.
+        tree_budget_mb: The cache budget of that search, in MiB (> 0). Default 64.
     """
 
     workload: str = "gsm8k"
@@ -90,19 +119,24 @@ class BenchConfig:
     seed: int = 0
     arms: tuple[str, ...] = ARMS
     model: str | None = None
+    tree_depth: int = 4
+    tree_budget_mb: float = 64.0
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
-        for name, low in (("questions", 1), ("branches", 1), ("shots", 0), ("max_new_tokens", 1), ("seed", 0)):
+        for name, low in (("questions", 1), ("branches", 1), ("shots", 0), ("max_new_tokens", 1), ("seed", 0), ("tree_depth", 0)):
             value = getattr(self, name)
             _check_type(name, value, int)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         _check_type("ensemble", self.ensemble, int)
-        if not 1 <= self.ensemble <= len(INSTRUCTION_WORDINGS) or self.branches % self.ensemble:
-            raise ValueError(f"ensemble must be in [1, {len(INSTRUCTION_WORDINGS)}] and divide branches "
+        if not 1 <= self.ensemble <= MAX_ENSEMBLE or self.branches % self.ensemble:
+            raise ValueError(f"ensemble must be in [1, {MAX_ENSEMBLE}] and divide branches "
                              f"({self.branches}), got {self.ensemble}")
+        _check_type("tree_budget_mb", self.tree_budget_mb, (int, float))
+        if not self.tree_budget_mb > 0:
+            raise ValueError(f"tree_budget_mb must be > 0, got {self.tree_budget_mb}")
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown or not self.arms:
             raise ValueError(f"arms must be a non-empty subset of {list(ARMS)}, got {list(self.arms)}")
@@ -139,6 +173,8 @@ class BenchReport:
     records: list[ArmRecord]
     unavailable: dict[str, str]  # arm -> why it did not run
     machine: dict[str, Any]
+    tree_cache_bytes: list[int] = field(default_factory=list)  # after each expansion of the tree search
+    tree_budget_bytes: int = 0
 
     def arm_records(self, arm: str) -> list[ArmRecord]:
         return [r for r in self.records if r.arm == arm]
@@ -185,6 +221,7 @@ class BenchReport:
             "unavailable": self.unavailable,
             "summary": self.summary(),
             "skip_rate_by_difficulty": {str(k): v for k, v in self.skip_rate_by_difficulty().items()},
+            "tree_search": {"cache_bytes_after_each_expansion": self.tree_cache_bytes, "budget_bytes": self.tree_budget_bytes},
             "records": [dataclasses.asdict(r) | {"correct": r.correct, "early_exited": r.early_exited} for r in self.records],
         }
 
@@ -208,20 +245,14 @@ def load_problems(config: BenchConfig) -> tuple[list[Problem], list[Problem]]:
     if config.workload == "gsm8k":
         problems = load_gsm8k_jsonl(config.data, limit=total) if config.data else synthetic_problems(total, seed=config.seed + 1)
     else:
-        from rksc_engine import datasets
-
-        loader = getattr(datasets, "load_choice_jsonl", None)
-        generator = getattr(datasets, "synthetic_choice_problems", None)
-        if loader is None or generator is None:
-            raise ValueError("the multiple-choice workload needs rksc_engine.datasets.load_choice_jsonl")
-        problems = loader(config.data, limit=total) if config.data else generator(total, seed=config.seed + 1)
+        problems = load_choice_jsonl(config.data, limit=total) if config.data else synthetic_choice_problems(total, seed=config.seed + 1)
     if len(problems) < total:
         raise ValueError(f"need {total} problems (shots + questions), the data has {len(problems)}")
     return problems[: config.shots], problems[config.shots:]
 
 
-def _messages(question: str, shots: list[Problem], wording: int) -> list[dict]:
-    return few_shot_messages(question, shots, system_prompt=INSTRUCTION_WORDINGS[wording])
+def _messages(workload: str, question: str, shots: list[Problem], wording: int) -> list[dict]:
+    return few_shot_messages(question, shots, system_prompt=INSTRUCTION_WORDINGS[workload][wording])
 
 
 # -- arms -----------------------------------------------------------------------------------------
@@ -239,7 +270,7 @@ class _EngineArm:
         completions = []
         per_wording = config.branches // config.ensemble
         for w in range(config.ensemble):
-            messages = _messages(problem.question, shots, w)
+            messages = _messages(config.workload, problem.question, shots, w)
             base = config.seed + 1000 * q + w * per_wording
             params = _params(config, base)
             if self.share_prefill:
@@ -248,7 +279,8 @@ class _EngineArm:
                 # Each branch on its own: same seed as branch i of the batch, so the same text.
                 completions += [engine.generate(messages, _params(config, base + i)) for i in range(per_wording)]
         branches = [BranchAnswer(c.text, self.extract(c.text), c.confidence) for c in completions]
-        answer, report, _ = verify_and_pick(problem.question, branches, LLMJudgeVerifier(engine), self.cgee)
+        judge = LLMJudgeVerifier(engine, system_prompt=JUDGE_PROMPTS[config.workload])
+        answer, report, _ = verify_and_pick(problem.question, branches, judge, self.cgee)
         wall = time.perf_counter() - start
         return ArmRecord(
             self.name, q, wall, engine.stats().prompt_tokens_computed - before, answer, problem.answer,
@@ -267,7 +299,7 @@ class _LangChainHFArm:
         from langchain_huggingface import HuggingFacePipeline
         from transformers import pipeline
 
-        self.tokenizer, self.extract = tokenizer, extract
+        self.tokenizer, self.extract, self.workload = tokenizer, extract, config.workload
         self.branch_llm = HuggingFacePipeline(pipeline=pipeline(
             "text-generation", model=model, tokenizer=tokenizer, max_new_tokens=config.max_new_tokens,
             do_sample=True, temperature=config.temperature, top_p=config.top_p, return_full_text=False))
@@ -283,11 +315,9 @@ class _LangChainHFArm:
         self.prompt_tokens += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _judge(self, question: str, candidates: Sequence[str]) -> list[float]:
-        from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE
-
         scores = []
         for candidate in candidates:
-            text = self._render([{"role": "system", "content": JUDGE_SYSTEM_PROMPT},
+            text = self._render([{"role": "system", "content": JUDGE_PROMPTS[self.workload]},
                                  {"role": "user", "content": JUDGE_TEMPLATE.format(question=question, answer=candidate)}])
             self._count(text)
             scores.append(1.0 if self.judge_llm.invoke(text).strip().lower().startswith("yes") else 0.0)
@@ -301,7 +331,7 @@ class _LangChainHFArm:
         texts = []
         per_wording = config.branches // config.ensemble
         for w in range(config.ensemble):
-            prompt = self._render(_messages(problem.question, shots, w))
+            prompt = self._render(_messages(config.workload, problem.question, shots, w))
             for i in range(per_wording):
                 torch.manual_seed(config.seed + 1000 * q + w * per_wording + i)
                 self._count(prompt)
@@ -390,10 +420,26 @@ def run_bench(config: BenchConfig, *, model_and_tokenizer: tuple[Any, Any] | Non
             bar.set_postfix_str(f"q{q} {arm.name}")
             records.append(arm.run(q, problem, shots, config))
             bar.update()
+    tree_bytes, tree_budget = _tree_search_trace(config, model, tokenizer, shots, problems[0]) if config.tree_depth else ([], 0)
     bar.close()
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype)}
-    return BenchReport(config, records, unavailable, machine)
+    return BenchReport(config, records, unavailable, machine, tree_bytes, tree_budget)
+
+
+def _tree_search_trace(config: BenchConfig, model: Any, tokenizer: Any, shots: list[Problem],
+                       problem: Problem) -> tuple[list[int], int]:
+    """Cache bytes after each expansion of one seeded RSBCM tree search, and its budget."""
+    from rksc_engine.config import RSBCMConfig
+
+    engine = RKSCEngine(model, tokenizer, EngineConfig(rsbcm=RSBCMConfig(cache_budget_mb=config.tree_budget_mb)))
+    result = engine.tree_search(
+        problem.question, breadth=3, depth=config.tree_depth, beam=2,
+        few_shot=shots, answer_extractor=config.workload,
+        params=SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                              max_new_tokens=min(40, config.max_new_tokens), seed=config.seed),
+    )
+    return result.cache_bytes_trace, engine.prefix_cache.budget_bytes
 
 
 def render_markdown(report: BenchReport) -> str:

@@ -58,4 +58,15 @@ def plot_report(report: BenchReport, out_dir: Path) -> list[Path]:
         paths.append(out_dir / "exit_layers.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+    if report.tree_cache_bytes:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.plot(range(1, len(report.tree_cache_bytes) + 1), [b / 2**20 for b in report.tree_cache_bytes], marker="o")
+        ax.axhline(report.tree_budget_bytes / 2**20, color="grey", linestyle="--", linewidth=0.8, label="RSBCM budget")
+        ax.set_xlabel("tree-search expansion")
+        ax.set_ylabel("prefix cache MiB")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "tree_cache_bytes.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
