@@ -124,7 +124,9 @@ class ReasoningResult:
     generate_s: float = 0.0
 
 
-def _resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtractor:
+def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtractor:
+    """A built-in extractor by name (``"gsm8k"``, ``"choice"``) or the callable itself; anything else
+    is a clear error."""
     if isinstance(answer_extractor, str):
         if answer_extractor not in EXTRACTORS:
             raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {answer_extractor!r}")
@@ -175,7 +177,7 @@ def reason(
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
     params = params or SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
-    extract = _resolve_extractor(answer_extractor)
+    extract = resolve_extractor(answer_extractor)
     judge = _resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
 

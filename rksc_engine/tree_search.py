@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from .cgee import CGEEConfig
 from .config import SamplingParams
 from .datasets import Problem, few_shot_messages
-from .reasoning import EXTRACTORS
+from .reasoning import resolve_extractor
 from .verifier import CallableVerifier, LLMJudgeVerifier, Verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
@@ -211,14 +211,7 @@ def tree_search(
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if breadth > 1 and params.greedy:
         raise ValueError("breadth > 1 needs params.temperature > 0: greedy siblings would all be the same step")
-    if isinstance(answer_extractor, str):
-        if answer_extractor not in EXTRACTORS:
-            raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {answer_extractor!r}")
-        extract = EXTRACTORS[answer_extractor]
-    elif callable(answer_extractor):
-        extract = answer_extractor
-    else:
-        raise TypeError(f"answer_extractor must be a callable or a name, got {type(answer_extractor).__name__}")
+    extract = resolve_extractor(answer_extractor)
     if final_marker is not None and (not isinstance(final_marker, str) or not final_marker):
         raise ValueError("final_marker must be a non-empty string or None")
     cgee = CGEEConfig() if cgee is None else cgee
