@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,21 +111,25 @@ def synthetic_problems(num: int, seed: int = 0) -> list[Problem]:
     return [_TEMPLATES[i % len(_TEMPLATES)](rng) for i in range(num)]
 
 
+def _jsonl_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """``(path:line, row)`` for every non-blank line of a JSONL file, so errors can say where."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                yield f"{path}:{line_no}", json.loads(line)
+
+
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Problem]:
     """Read GSM8K-format JSONL (``question``, ``answer`` ending in ``#### x``)."""
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "question" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{line_no}: a GSM8K row needs 'question' and 'answer' fields")
-            solution = row["answer"]
-            final = solution.rsplit("####", 1)[-1].strip().replace(",", "")
-            problems.append(Problem(row["question"], solution, final))
-            if limit is not None and len(problems) >= limit:
-                break
+    for where, row in _jsonl_rows(path):
+        if "question" not in row or "answer" not in row:
+            raise ValueError(f"{where}: a GSM8K row needs 'question' and 'answer' fields")
+        solution = row["answer"]
+        final = solution.rsplit("####", 1)[-1].strip().replace(",", "")
+        problems.append(Problem(row["question"], solution, final))
+        if limit is not None and len(problems) >= limit:
+            break
     return problems
 
 
@@ -202,43 +206,35 @@ def load_choice_jsonl(path: str | Path, limit: int | None = None) -> list[Proble
     maps onto the choices). Labels are rewritten as letters A, B, ... so the ``"choice"`` extractor
     reads them; the answer is the letter of the right choice."""
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            where = f"{path}:{line_no}"
-            if not all(k in row for k in ("question", "choices", "answerKey")):
-                raise ValueError(f"{where}: a multiple-choice row needs 'question', 'choices' and 'answerKey'")
-            question = row["question"]["stem"] if isinstance(row["question"], dict) else str(row["question"])
-            labels, texts = _parse_choices(row["choices"], where)
-            key = str(row["answerKey"]).strip()
-            if key in labels:
-                index = labels.index(key)
-            elif isinstance(row["answerKey"], int) and 0 <= row["answerKey"] < len(texts):
-                index = row["answerKey"]
-            else:
-                raise ValueError(f"{where}: answerKey {row['answerKey']!r} is not one of the labels {labels}")
-            letters = [chr(ord("A") + i) for i in range(len(texts))]
-            problems.append(_choice_problem(question, letters, texts, letters[index], ""))
-            if limit is not None and len(problems) >= limit:
-                break
+    for where, row in _jsonl_rows(path):
+        if not all(k in row for k in ("question", "choices", "answerKey")):
+            raise ValueError(f"{where}: a multiple-choice row needs 'question', 'choices' and 'answerKey'")
+        question = row["question"]["stem"] if isinstance(row["question"], dict) else str(row["question"])
+        labels, texts = _parse_choices(row["choices"], where)
+        key = str(row["answerKey"]).strip()
+        if key in labels:
+            index = labels.index(key)
+        elif isinstance(row["answerKey"], int) and 0 <= row["answerKey"] < len(texts):
+            index = row["answerKey"]
+        else:
+            raise ValueError(f"{where}: answerKey {row['answerKey']!r} is not one of the labels {labels}")
+        letters = [chr(ord("A") + i) for i in range(len(texts))]
+        problems.append(_choice_problem(question, letters, texts, letters[index], ""))
+        if limit is not None and len(problems) >= limit:
+            break
     return problems
 
 
 def jsonl_format(path: str | Path) -> str:
     """``"choice"`` when the first row has ``choices`` and ``answerKey``, ``"gsm8k"`` when it has
     ``question`` and ``answer``."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                if "choices" in row and "answerKey" in row:
-                    return "choice"
-                if "question" in row and "answer" in row:
-                    return "gsm8k"
-                raise ValueError(f"{path}: rows are neither GSM8K ('question', 'answer') nor multiple choice "
-                                 f"('question', 'choices', 'answerKey'); first row has {sorted(row)}")
+    for _, row in _jsonl_rows(path):
+        if "choices" in row and "answerKey" in row:
+            return "choice"
+        if "question" in row and "answer" in row:
+            return "gsm8k"
+        raise ValueError(f"{path}: rows are neither GSM8K ('question', 'answer') nor multiple choice "
+                         f"('question', 'choices', 'answerKey'); first row has {sorted(row)}")
     raise ValueError(f"{path}: no rows")
 
 
