@@ -141,7 +141,9 @@ def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtracto
 _DEFAULT_JUDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verifier:
+def resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verifier:
+    """The engine's own default judge (one per engine) for None, a ``Verifier`` as is, or a callable
+    wrapped as a ``CallableVerifier``."""
     if verifier is None:
         judge = _DEFAULT_JUDGES.get(engine)
         if judge is None:
@@ -178,7 +180,7 @@ def reason(
         raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
     params = params or SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
     extract = resolve_extractor(answer_extractor)
-    judge = _resolve_verifier(engine, verifier)
+    judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
 
     start = time.perf_counter()

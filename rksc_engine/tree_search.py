@@ -36,8 +36,8 @@ from tqdm.auto import tqdm
 from .cgee import CGEEConfig
 from .config import SamplingParams
 from .datasets import Problem, few_shot_messages
-from .reasoning import resolve_extractor
-from .verifier import CallableVerifier, LLMJudgeVerifier, Verifier
+from .reasoning import resolve_extractor, resolve_verifier
+from .verifier import Verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
 SCORER_NAMES = ("confidence", "judge")
@@ -140,11 +140,9 @@ def _resolve_scorer(engine: Any, scorer: str | Verifier | PathScorer) -> Verifie
     if isinstance(scorer, str):
         if scorer not in SCORER_NAMES:
             raise ValueError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {scorer!r}")
-        return None if scorer == "confidence" else LLMJudgeVerifier(engine)
-    if isinstance(scorer, Verifier):
-        return scorer
-    if callable(scorer):
-        return CallableVerifier(scorer)
+        return None if scorer == "confidence" else resolve_verifier(engine, None)
+    if isinstance(scorer, Verifier) or callable(scorer):
+        return resolve_verifier(engine, scorer)
     raise TypeError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {type(scorer).__name__}")
 
 
