@@ -6,6 +6,8 @@ chat templates, EOS), so exactness can be checked token for token against plain 
 
 from __future__ import annotations
 
+import ast
+import operator
 import string
 
 import pytest
@@ -83,3 +85,22 @@ def tiny_engine(tiny_model, tiny_tokenizer):
     from rksc_engine import RKSCEngine
 
     return RKSCEngine(tiny_model, tiny_tokenizer)
+
+
+_ARITHMETIC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate_arithmetic(expression: str) -> str:
+    """The agent tests' calculator: + - * / and parentheses, or ``"error: ..."`` (never raises)."""
+
+    def evaluate(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC_OPS:
+            return _ARITHMETIC_OPS[type(node.op)](evaluate(node.left), evaluate(node.right))
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        raise ValueError(f"not arithmetic: {expression!r}")
+
+    try:
+        return str(evaluate(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        return f"error: {exc}"

@@ -3,9 +3,6 @@ default model; every step after the first is served from the prefix cache."""
 
 from __future__ import annotations
 
-import ast
-import operator
-
 import pytest
 
 pytest.importorskip("langgraph.prebuilt")
@@ -16,27 +13,15 @@ from langchain_core.tools import tool  # noqa: E402
 from langgraph.prebuilt import create_react_agent  # noqa: E402
 
 from rksc_integrations.langchain import ChatRKSC  # noqa: E402
+from tests.conftest import evaluate_arithmetic  # noqa: E402
 
 pytestmark = pytest.mark.integration
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / and parentheses, e.g. "12 * 7"."""
-
-    def ev(node):
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        raise ValueError(f"not arithmetic: {expression!r}")
-
-    try:
-        return str(ev(ast.parse(expression, mode="eval").body))
-    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
-        return f"error: {exc}"
+    return evaluate_arithmetic(expression)
 
 
 class StepRecorder(BaseCallbackHandler):

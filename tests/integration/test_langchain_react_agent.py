@@ -11,9 +11,6 @@ start a ReAct action reliably on its own; after the observation it writes the fi
 
 from __future__ import annotations
 
-import ast
-import operator
-
 import pytest
 
 pytest.importorskip("langchain_core")
@@ -22,6 +19,7 @@ from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.prompts import PromptTemplate  # noqa: E402
 
 from rksc_integrations.langchain import CACHE_EVENT, RKSCLLM, RKSCEventCollector  # noqa: E402
+from tests.conftest import evaluate_arithmetic  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -44,21 +42,10 @@ Begin!
 Question: {question}
 {agent_scratchpad}"""
 FORCED_FIRST_STEP = "Thought: I should use the calculator.\nAction: calculator\nAction Input:"
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def calculator(expression: str) -> str:
-    def ev(node):
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        raise ValueError(f"not arithmetic: {expression!r}")
-
-    try:
-        return str(ev(ast.parse(expression.strip().strip('"'), mode="eval").body))
-    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
-        return f"error: {exc}"
+    return evaluate_arithmetic(expression.strip().strip('"'))
 
 
 class UsageRecorder(BaseCallbackHandler):
