@@ -4,7 +4,6 @@ and how a ``Completion``'s accounting becomes LangChain metadata."""
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 from pathlib import Path
 from typing import Any
