@@ -6,9 +6,12 @@ each repeat so machine drift hits all alike:
 * The machine: streaming-read memory bandwidth (``sum`` over a buffer far larger than the caches)
   and the dense matmul ceiling (a prefill-shaped GEMM) in float32 and, where the CPU has native
   bf16, in bfloat16.
-* The floor of one decode step: the model's weight bytes read once at that bandwidth. Reading the
-  prompt's KV once more is also shown (the shared-prefix path's own traffic), next to the plain
-  path's ``n`` copies.
+* Three floors of one decode step. Bandwidth: the model's weight bytes read once at that
+  bandwidth (the issue's floor). Roofline: the larger of that and the step's matmul FLOPs at the
+  float32 ceiling; at 8 branches the FLOPs bind. Kernel: the step's own matmuls (every linear layer
+  at ``(n, in_features)``, the LM head) and its attention over the prompt's KV, timed alone with
+  nothing around them: what PyTorch's CPU kernels on this machine need before any glue, Python or
+  cache bookkeeping, so ``ms/step / kernel floor`` is the overhead that is ours to remove.
 * Decode ms/step over a ~1,300-token prompt at 1 and ``--branches`` branches: one step is a model
   forward plus choosing the next tokens (temperature 0.7, top-p 0.95), for ``rksc`` (shared-prefix
   path), ``rksc old path`` (``decode_attention="dynamic_cache"``, the engine before issue 8) and
@@ -127,6 +130,49 @@ def prefill_flops_per_token(model, num_tokens: int) -> float:
     return 2 * layer_params + attention
 
 
+def decode_flops(model, n: int, num_prompt_tokens: int) -> float:
+    """Matmul FLOPs of one decode step of ``n`` branches: 2 per weight of every linear layer (the LM
+    head included, it runs for every branch) per branch, plus attention over the prompt."""
+    cfg = model.config.get_text_config()
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * num_prompt_tokens
+    return n * (2 * linear_params + attention)
+
+
+def kernel_floor_seconds(model, n: int, num_prompt_tokens: int, repeats: int) -> float:
+    """What this machine's kernels need for one decode step with no glue around them: every linear
+    layer of the model, in forward order, on an (n, in_features) input, the LM head, and each
+    layer's attention of n queries over the prompt's KV (the fused kernel the shared-prefix path
+    uses). Weights are the model's own, so they stream from memory as they do in a real step."""
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    layers = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in model.model.layers]
+    inputs = {m.in_features: torch.randn(n, m.in_features, dtype=dtype, device=device)
+              for block in layers for m in block}
+    inputs.setdefault(model.lm_head.in_features, torch.randn(n, model.lm_head.in_features, dtype=dtype))
+    prompt_kv = [torch.randn(2, 1, kv_heads, num_prompt_tokens, head_dim, dtype=dtype, device=device)
+                 for _ in layers]
+    query = torch.randn(1, kv_heads, n * group, head_dim, dtype=dtype, device=device)
+
+    def step() -> None:
+        for block, (keys, values) in zip(layers, prompt_kv):
+            for linear in block:
+                linear(inputs[linear.in_features])
+            fused_attention(query, keys, values, head_dim**-0.5)
+        model.lm_head(inputs[model.lm_head.in_features])
+
+    return best_seconds(step, repeats)
+
+
+def fused_attention(query, keys, values, scale):
+    from rksc_engine.shared_prefix import _fused_cpu_attention, _partial_attention
+
+    return _fused_cpu_attention(query, keys, values, scale) or _partial_attention(query, keys, values, scale)
+
+
 # -- decode steps ----------------------------------------------------------------------------------
 def hf_sample_step(logits: torch.Tensor, warpers) -> torch.Tensor:
     scores = logits.float()
@@ -209,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         bf16 = RKSCEngine(copy.deepcopy(model).to(torch.bfloat16), engine.tokenizer)
 
     print(f"model {engine.model_name}, {engine.dtype}, {torch.get_num_threads()} threads; prompt {len(prompt_ids)} "
-          f"tokens; {n_branches} branches; native bf16: {bf16_native}")
+          f"tokens; {n_branches} branches; native bf16: {cpu_supports_bf16()}, bf16 arms: {bf16_native}")
     bandwidth = memory_bandwidth_gb_s()
     ceiling = {"float32": matmul_gflop_s(torch.float32)}
     if bf16_native:
@@ -218,7 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     prompt_kv = kv_token * len(prompt_ids)
     floor_ms = w_bytes / bandwidth / 1e6
     print(f"bandwidth {bandwidth:.1f} GB/s; matmul ceiling {ceiling}; weights {w_bytes / 1e6:.0f} MB, "
-          f"prompt KV {prompt_kv / 1e6:.1f} MB; floor {floor_ms:.1f} ms/step")
+          f"prompt KV {prompt_kv / 1e6:.1f} MB; bandwidth floor {floor_ms:.1f} ms/step")
+    # One step is bounded by reading the weights once (bandwidth) and by its matmul FLOPs at the
+    # machine's best GEMM rate (compute); at 8 branches the second can be the larger.
+    compute_floor_ms = {n: decode_flops(model, n, len(prompt_ids)) / (ceiling["float32"] * 1e9) * 1e3
+                        for n in (1, n_branches)}
+    with torch.inference_mode():
+        kernel_floor_ms = {n: kernel_floor_seconds(model, n, len(prompt_ids), 3 * args.repeats) * 1e3
+                           for n in (1, n_branches)}
+    print(f"compute floor (FLOPs / float32 ceiling) {compute_floor_ms} ms/step; kernel floor (the step's "
+          f"matmuls and attention alone) {kernel_floor_ms} ms/step")
 
     decode: dict[str, list[float]] = {}
     prefill: dict[str, list[float]] = {}
@@ -260,20 +315,24 @@ def main(argv: list[str] | None = None) -> None:
         agreement = greedy_agreement(engine, bf16, prompt_ids, 64) if bf16 is not None else None
 
     # -- report ----------------------------------------------------------------------------------
-    floors = {1: floor_ms, n_branches: floor_ms}
-    print("\n| decode arm | ms/step min | ms/step median | ratio to floor (min) | floor + 1 prompt KV | plain-path traffic floor |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| decode arm | ms/step min | ms/step median | bandwidth floor | / bandwidth floor | roofline floor "
+          "| / roofline floor | kernel floor | / kernel floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for key, values in decode.items():
         n = int(key.rsplit("=", 1)[1])
         s = summary([v * 1000 for v in values])
-        bytes_scale = 0.5 if "bf16" in key else 1.0
-        floor = floors[n] * bytes_scale
-        shared_floor = (w_bytes * bytes_scale + prompt_kv * bytes_scale) / bandwidth / 1e6
-        plain_floor = (w_bytes * bytes_scale + n * prompt_kv * bytes_scale) / bandwidth / 1e6
-        rows[key] = {**s, "floor_ms": floor, "ratio_to_floor": s["min"] / floor}
-        print(f"| {key} | {s['min']:.1f} | {s['median']:.1f} | {s['min'] / floor:.2f}x | {shared_floor:.1f} ms "
-              f"| {plain_floor:.1f} ms |")
+        bf16_arm = "bf16" in key
+        bytes_scale = 0.5 if bf16_arm else 1.0
+        floor = floor_ms * bytes_scale
+        roofline = max(floor, compute_floor_ms[n] * (ceiling["float32"] / ceiling.get("bfloat16", 1) if bf16_arm else 1))
+        kernel = None if bf16_arm else kernel_floor_ms[n]  # the kernel floor is timed in float32
+        rows[key] = {**s, "floor_ms": floor, "ratio_to_floor": s["min"] / floor, "roofline_floor_ms": roofline,
+                     "ratio_to_roofline": s["min"] / roofline, "kernel_floor_ms": kernel,
+                     "ratio_to_kernel_floor": None if kernel is None else s["min"] / kernel}
+        kernel_cells = "- | -" if kernel is None else f"{kernel:.1f} | {s['min'] / kernel:.2f}x"
+        print(f"| {key} | {s['min']:.1f} | {s['median']:.1f} | {floor:.1f} | {s['min'] / floor:.2f}x | {roofline:.1f} "
+              f"| {s['min'] / roofline:.2f}x | {kernel_cells} |")
     print("\n| prefill arm | tokens/s (best) | tokens/s (median) | ceiling tokens/s | ratio to ceiling |")
     print("|---|---:|---:|---:|---:|")
     flops = prefill_flops_per_token(model, len(prompt_ids))
@@ -302,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
                   "threads": torch.get_num_threads(), "repeats": args.repeats, "steps": args.steps,
                   "bf16_native": bf16_native},
         "machine": {"bandwidth_gb_s": bandwidth, "matmul_gflop_s": ceiling, "weight_bytes": w_bytes,
-                    "prompt_kv_bytes": prompt_kv, "floor_ms": floor_ms},
+                    "prompt_kv_bytes": prompt_kv, "floor_ms": floor_ms,
+                    "compute_floor_ms": compute_floor_ms, "kernel_floor_ms": kernel_floor_ms},
         "decode_ms": rows, "prefill": prefill_rows, "end_to_end": e2e_rows,
         "bf16_greedy_agreement": agreement,
     }, indent=2) + "\n")

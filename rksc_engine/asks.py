@@ -24,9 +24,17 @@ The mechanism, for a request ``R`` and a cached sequence ``C``:
 3. **Reuse** (``sigma >= tau``): the request's own span KV (exact) is followed by the cached remainder's
    KV, its keys re-rotated by ``a - b`` positions (``rerotate_keys``; RoPE is a rotation by position,
    so this is exact for the position part), and only the tail after the remainder is prefilled.
-   Optionally the first ``recompute_fraction`` of the remainder is recomputed exactly instead of reused:
-   the tokens nearest the changed span attend to it most, so their KV deviates most.
    Otherwise the request computes its remainder itself, which is exact.
+4. **Repair** (``recompute_selection="deviation"``, the default; CacheBlend's idea): before reusing,
+   the remainder runs through the first two decoder layers only (``run_first_layers``, 2 of L
+   layers' cost). The first layer's KV of a token depends on nothing but the token and its position,
+   so it is exact either way; the second is the first to carry the changed span's influence, and
+   its exact KV against the reused one gives each remainder token's deviation (``kv_deviation``).
+   Both layers keep the exact KV. The ``recompute_fraction`` most-deviating tokens are then
+   recomputed through every layer in one pass at their scattered positions under a custom 4D mask
+   (``recompute_positions``), and a remainder whose mean deviation exceeds ``max_mean_deviation``
+   is computed exactly instead. ``"nearest"`` recomputes the tokens right after the span, unprobed
+   (also what a model of at most two layers gets, where the probe would be a whole pass).
 
 What goes into the token-exact radix cache: only exact KV. After a reuse that is the shared prefix
 plus the request's own span; the approximate remainder and anything decoded after it are never
@@ -369,37 +377,148 @@ def prefill_with_asks(
     out = run(prompt_ids[k:k + a], cache, output_hidden_states=True)
     sigma = span_similarity(_decoder_hidden(out), cached_hidden, config.alpha)
 
+    probe: dict[str, Any] = {}  # what the deviation probe measured, for the decision
+
     def decision(reused: bool, reused_tokens: int, recomputed_tokens: int) -> ASKSDecision:
         return ASKSDecision(
             reused=reused, sigma=sigma, tau=config.tau, prefix_tokens=k, request_span_tokens=a,
             cached_span_tokens=b, remainder_tokens=m, position_shift=a - b, reused_tokens=reused_tokens,
-            recomputed_tokens=recomputed_tokens, check_tokens=b,
+            recomputed_tokens=recomputed_tokens, check_tokens=b, probe_tokens=probe.get("tokens", 0),
+            mean_deviation=probe.get("mean"), max_deviation=probe.get("max"),
         )
 
-    if max(sigma, 0.0) < config.tau:  # a negative similarity counts as 0, so tau = 0 always reuses
-        # Fall back: compute the rest of the prompt exactly on top of the exact prefix and span.
+    def fall_back() -> ASKSPrefill:
+        # Compute the rest of the prompt exactly on top of the exact prefix and span.
         out = run(prompt_ids[k + a:], cache)
         return ASKSPrefill(cache, out.logits[:, -1, :], decision(False, 0, m), len(prompt_ids),
                            len(prompt_ids) - k, k)
 
-    # Recompute the remainder tokens nearest the span exactly, reuse the rest.
+    if max(sigma, 0.0) < config.tau:  # a negative similarity counts as 0, so tau = 0 always reuses
+        return fall_back()
+
     num_recomputed = min(m, int(round(config.recompute_fraction * m)))
-    if num_recomputed:
-        run(prompt_ids[k + a:k + a + num_recomputed], cache)
-    reused = m - num_recomputed
-    # KV up to exact_end is exact; the tail after a reused remainder attends to approximate KV.
-    exact_end = k + a + num_recomputed if reused else len(prompt_ids)
-    if reused:
-        rotary = rotary_embedding_of(model)
-        start = k + b + num_recomputed
+    if num_recomputed == m:  # recomputing all of it is the exact path
+        out = run(prompt_ids[k + a:], cache)
+        return ASKSPrefill(cache, out.logits[:, -1, :], decision(False, 0, m), len(prompt_ids),
+                           len(prompt_ids) - k, k)
+    rotary = rotary_embedding_of(model)
+    start = k + b  # where the remainder starts in the cached sequence
+
+    def reused_kv(layer: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        # The cached remainder's KV (1, H_kv, T, D) from ``offset`` on, keys moved to the request's positions.
+        keys = rerotate_keys(cached_kv[layer, 0, :, start + offset:start + m][None], a - b, rotary)
+        return keys, cached_kv[layer, 1, :, start + offset:start + m][None]
+
+    # On a model of at most two layers the probe would be a whole pass: repair nearest-first there.
+    if config.recompute_selection == "nearest" or len(cache.layers) <= PROBE_LAYER + 1:
+        # The remainder tokens right after the span, recomputed exactly; the rest reused.
+        if num_recomputed:
+            run(prompt_ids[k + a:k + a + num_recomputed], cache)
         layers = []
         for i, layer in enumerate(cache.layers):
-            keys = rerotate_keys(cached_kv[i, 0, :, start:start + reused][None], a - b, rotary)  # (1, H, T, D)
-            values = cached_kv[i, 1, :, start:start + reused][None]
+            keys, values = reused_kv(i, num_recomputed)
             layers.append((torch.cat((layer.keys, keys), dim=-2), torch.cat((layer.values, values), dim=-2)))
         cache = _cache_from_layers(layers, model.config)
+        exact_end = k + a + num_recomputed
+    else:
+        probe_layer = PROBE_LAYER
+        run_first_layers(forward, model, prompt_ids[k + a:k + a + m], cache, probe_layer)
+        fresh_keys, fresh_values = (t[0, :, k + a:] for t in (cache.layers[probe_layer].keys,
+                                                              cache.layers[probe_layer].values))
+        old_keys, old_values = (t[0] for t in reused_kv(probe_layer))
+        deviation = kv_deviation(fresh_keys, fresh_values, old_keys, old_values)  # (m,)
+        probe.update(tokens=m, mean=float(deviation.mean()), max=float(deviation.max()))
+        if probe["mean"] > config.max_mean_deviation:
+            for layer in cache.layers[:probe_layer + 1]:
+                _truncate(layer, k + a)
+            return fall_back()
+        # Layers up to the probe now hold the remainder's exact KV; the deeper ones take the reused KV.
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            keys, values = layer.keys, layer.values
+            if i > probe_layer:
+                reused_keys, reused_values = reused_kv(i)
+                keys, values = torch.cat((keys, reused_keys), dim=-2), torch.cat((values, reused_values), dim=-2)
+            layers.append((keys, values))
+        cache = _cache_from_layers(layers, model.config)
+        if num_recomputed:
+            chosen = torch.topk(deviation, num_recomputed).indices.sort().values + (k + a)  # positions
+            recompute_positions(forward, model, prompt_ids, chosen, cache)
+        exact_end = k + a
+    reused = m - num_recomputed
     out = run(prompt_ids[k + a + m:], cache)
     return ASKSPrefill(
-        cache, out.logits[:, -1, :], decision(reused > 0, reused, num_recomputed), exact_end,
+        cache, out.logits[:, -1, :], decision(True, reused, num_recomputed), exact_end,
         len(prompt_ids) - k - reused, k + reused,
     )
+
+
+# -- deviation probe and selective recompute ------------------------------------------------------
+# The first decoder layer's KV depends only on each token and its position, so reused KV is exact
+# there; the second layer's is the first that carries the changed span's influence.
+PROBE_LAYER = 1
+
+
+class _StopAfterLayer(Exception):
+    """Raised from a layer hook to end a forward pass once the layers it needs have run."""
+
+
+def run_first_layers(forward: Forward, model: Any, ids: Sequence[int], cache: Any, last_layer: int) -> None:
+    """Run ``ids`` on top of ``cache`` through decoder layers ``0..last_layer`` only; those layers of
+    ``cache`` gain the tokens' (exact) KV, the deeper layers are left as they were."""
+    layers = model.model.layers
+
+    def stop(*_: Any) -> None:
+        raise _StopAfterLayer
+
+    handle = layers[last_layer].register_forward_hook(stop)
+    try:
+        forward(torch.tensor([list(ids)], device=cache.layers[0].keys.device), cache, logits_to_keep=1)
+    except _StopAfterLayer:
+        pass
+    finally:
+        handle.remove()
+
+
+def kv_deviation(
+    keys: torch.Tensor, values: torch.Tensor, reused_keys: torch.Tensor, reused_values: torch.Tensor
+) -> torch.Tensor:
+    """Per token, ``||kv_reused - kv_exact|| / ||kv_exact||`` over all KV heads; inputs ``(H_kv, T, D)``,
+    output ``(T,)``."""
+    exact = keys.double().square().sum((0, 2)) + values.double().square().sum((0, 2))
+    diff = (reused_keys.double() - keys.double()).square().sum((0, 2)) \
+        + (reused_values.double() - values.double()).square().sum((0, 2))
+    return (diff / exact.clamp_min(1e-30)).sqrt()
+
+
+def recompute_positions(forward: Forward, model: Any, prompt_ids: Sequence[int], positions: torch.Tensor,
+                        cache: Any) -> None:
+    """Recompute the KV of the prompt tokens at ``positions`` (sorted, all inside ``cache``) through
+    every layer and write it over the cached KV there.
+
+    The tokens run as one pass at their own positions. A custom 4D mask lets each see the cache
+    before its position, except the old KV of the tokens being recomputed (their new KV, appended
+    after the cache by the pass, takes its place), so the result is what a left-to-right prefill
+    would give if the rest of the cache were exact."""
+    length, count = cache.get_seq_length(), positions.numel()
+    device = positions.device
+    dtype = next(model.parameters()).dtype
+    before = torch.arange(length, device=device)[None, :] < positions[:, None]  # (r, T)
+    before[:, positions] = False
+    among_new = positions[None, :] <= positions[:, None]  # (r, r)
+    visible = torch.cat((before, among_new), dim=1)
+    mask = torch.zeros(1, 1, count, length + count, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    ids = torch.tensor([[prompt_ids[p] for p in positions.tolist()]], device=device)
+    forward(ids, cache, logits_to_keep=1, position_ids=positions[None], attention_mask=mask)
+    for layer in cache.layers:
+        layer.keys[:, :, positions] = layer.keys[:, :, length:]
+        layer.values[:, :, positions] = layer.values[:, :, length:]
+        _truncate(layer, length)
+
+
+def _truncate(layer: Any, length: int) -> None:
+    # transformers >= 5 crops by a negative count of tokens to remove.
+    excess = layer.get_seq_length() - length
+    if excess > 0:
+        layer.crop(-excess)

@@ -7,6 +7,7 @@ any model or cache state is touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -202,6 +203,9 @@ class CGEEConfig:
         return cls(skip_enabled=False, exit_enabled=False)
 
 
+RECOMPUTE_SELECTIONS = ("deviation", "nearest")
+
+
 @dataclass(frozen=True)
 class ASKSConfig:
     """ASKS: reuse cached KV across prompts that differ only in a short span of wording
@@ -214,13 +218,24 @@ class ASKSConfig:
             is found. Default 0.99, deliberately conservative: on ``benchmarks/asks.py`` with GSM8K
             shots no threshold that lets paraphrased instructions reuse (they score 0.96-0.987 on
             the default model) kept final answers at 99% agreement with full recompute, so at the
-            default reuse fires only for spans whose hidden states nearly coincide (issue 3 note).
+            default reuse fires only for spans whose hidden states nearly coincide. On 60 reworded
+            GSM8K requests (``benchmarks/asks_fidelity.py``) ``tau=0.98`` with
+            ``recompute_fraction=0.15`` kept 98.3% [91.1%, 99.7%] but reused for only 12 (issue 3 note).
         alpha: Depth emphasis of the layer weights ``exp(alpha * l / L)``, >= 0. Default 1.0.
         max_span_tokens: Longest differing span, on either side, that ASKS compares, >= 1. Default 64.
         min_reuse_tokens: Shortest realigned remainder worth reusing, >= 1. Default 32.
         max_candidates: Cached sequences examined per request, >= 1. Default 8.
-        recompute_fraction: Share of the reused remainder, nearest the changed span, that is
-            recomputed exactly instead of reused, in [0, 1]. Default 0.
+        recompute_fraction: Share of the reused remainder that is recomputed instead of reused,
+            in [0, 1] (CacheBlend-style repair; 1 recomputes it all, which is exact). Default 0.
+        recompute_selection: Which remainder tokens ``recompute_fraction`` recomputes.
+            ``"deviation"`` (default): the remainder is first run through the first two decoder
+            layers (2 of L layers' cost), which makes those layers' KV exact and measures, per
+            token, how far the reused KV of layer 2 is from the exact one; the most-deviating tokens
+            are recomputed through every layer. ``"nearest"``: the tokens right after the changed
+            span, with no probe.
+        max_mean_deviation: Reuse only when the remainder's mean relative KV deviation at the probe
+            layer is at most this, >= 0 (needs ``recompute_selection="deviation"``); above it the
+            remainder is computed exactly. Default ``inf`` (no deviation gate, ``tau`` alone decides).
     """
 
     enabled: bool = False
@@ -230,9 +245,21 @@ class ASKSConfig:
     min_reuse_tokens: int = 32
     max_candidates: int = 8
     recompute_fraction: float = 0.0
+    recompute_selection: str = "deviation"
+    max_mean_deviation: float = math.inf
 
     def __post_init__(self) -> None:
         _check_type("asks.enabled", self.enabled, bool)
+        _check_type("asks.recompute_selection", self.recompute_selection, str)
+        if self.recompute_selection not in RECOMPUTE_SELECTIONS:
+            raise ValueError(f"asks.recompute_selection must be one of {list(RECOMPUTE_SELECTIONS)}, "
+                             f"got {self.recompute_selection!r}")
+        _check_type("asks.max_mean_deviation", self.max_mean_deviation, (int, float))
+        if not self.max_mean_deviation >= 0:
+            raise ValueError(f"asks.max_mean_deviation must be >= 0, got {self.max_mean_deviation}")
+        if self.max_mean_deviation != math.inf and self.recompute_selection != "deviation":
+            raise ValueError("asks.max_mean_deviation needs asks.recompute_selection='deviation' "
+                             "(the deviation is measured by its probe)")
         for name in ("tau", "recompute_fraction"):
             value = getattr(self, name)
             _check_type(f"asks.{name}", value, (int, float))

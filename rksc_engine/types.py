@@ -25,6 +25,11 @@ class ASKSDecision:
         reused_tokens: Remainder tokens whose cached KV was reused (0 when not reused).
         recomputed_tokens: Remainder tokens computed by the request itself (all of them on a fallback).
         check_tokens: Tokens of the cached span recomputed only to read their hidden states.
+        probe_tokens: Remainder tokens run through the first decoder layers to measure how far their
+            reused KV deviates (``recompute_selection="deviation"``; 0 otherwise).
+        mean_deviation: Mean over the remainder of the relative KV deviation at the probe layer,
+            ``||kv_reused - kv_exact|| / ||kv_exact||``; None when not probed.
+        max_deviation: The largest per-token deviation; None when not probed.
     """
 
     reused: bool
@@ -38,6 +43,9 @@ class ASKSDecision:
     reused_tokens: int
     recomputed_tokens: int
     check_tokens: int
+    probe_tokens: int = 0
+    mean_deviation: float | None = None
+    max_deviation: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,12 @@ from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.asks import (
     align_after_prefix,
     candidate_sequences,
+    kv_deviation,
     layer_weights,
+    recompute_positions,
     rerotate_keys,
     rotary_embedding_of,
+    run_first_layers,
     span_similarity,
 )
 from rksc_engine.prefix_cache import RadixPrefixCache
@@ -257,6 +260,9 @@ def test_unrelated_prompts_after_a_shared_prefix_do_not_trigger_asks(tiny_model,
         ({"max_span_tokens": 0}, ValueError, r"asks\.max_span_tokens must be >= 1"),
         ({"min_reuse_tokens": 0}, ValueError, r"asks\.min_reuse_tokens must be >= 1"),
         ({"recompute_fraction": 2}, ValueError, r"asks\.recompute_fraction must be in \[0, 1\]"),
+        ({"recompute_selection": "random"}, ValueError, r"asks\.recompute_selection must be one of"),
+        ({"max_mean_deviation": -1.0}, ValueError, r"asks\.max_mean_deviation must be >= 0"),
+        ({"max_mean_deviation": 0.1, "recompute_selection": "nearest"}, ValueError, r"needs asks\.recompute_selection"),
         ({"enabled": 1}, TypeError, r"asks\.enabled must be bool"),
         ({"max_span_tokens": 4.0}, TypeError, r"asks\.max_span_tokens must be int"),
     ],
@@ -274,3 +280,117 @@ def test_asks_is_off_by_default_so_the_default_engine_stays_token_exact():
 def test_engine_config_rejects_a_non_asks_config():
     with pytest.raises(TypeError, match="asks must be ASKSConfig"):
         EngineConfig(asks={"tau": 0.5})
+
+
+# -- deviation probe and selective recompute (CacheBlend-style repair) ------------------------------
+def _prefilled_cache(model, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _forward(model):
+    return lambda input_ids, cache, **kw: model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kw)
+
+
+def test_recompute_positions_restores_exact_kv_at_scattered_positions():
+    model = make_tiny_model(3, num_layers=4)
+    ids = [(7 * i) % 90 + 5 for i in range(40)]
+    exact = _prefilled_cache(model, ids)
+    damaged = _prefilled_cache(model, ids)
+    positions = torch.tensor([3, 10, 11, 25, 39])
+    generator = torch.Generator().manual_seed(0)
+    for layer in damaged.layers[1:]:  # layer 0's KV never depends on context; damage the rest
+        layer.keys[:, :, positions] += torch.randn(layer.keys[:, :, positions].shape, generator=generator)
+        layer.values[:, :, positions] += torch.randn(layer.values[:, :, positions].shape, generator=generator)
+    with torch.no_grad():
+        recompute_positions(_forward(model), model, ids, positions, damaged)
+    assert damaged.get_seq_length() == len(ids)
+    for got, want in zip(damaged.layers, exact.layers):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+
+
+def test_recompute_positions_only_fixes_the_positions_it_is_given():
+    # Damage two positions, repair one: the other stays damaged, and so do the later positions
+    # whose recomputation attends to it (the mask really hides nothing it should show).
+    model = make_tiny_model(3, num_layers=4)
+    ids = [(5 * i) % 90 + 5 for i in range(30)]
+    exact = _prefilled_cache(model, ids)
+    damaged = _prefilled_cache(model, ids)
+    for layer in damaged.layers[1:]:
+        layer.values[:, :, [4, 20]] += 1.0
+    with torch.no_grad():
+        recompute_positions(_forward(model), model, ids, torch.tensor([20]), damaged)
+    last = damaged.layers[-1]
+    assert not torch.allclose(last.values[:, :, 4], exact.layers[-1].values[:, :, 4], atol=1e-3)
+    assert not torch.allclose(last.values[:, :, 20], exact.layers[-1].values[:, :, 20], atol=1e-5), \
+        "position 20 was recomputed over the still-damaged position 4, so it cannot be exact"
+    with torch.no_grad():
+        recompute_positions(_forward(model), model, ids, torch.tensor([4, 20]), damaged)
+    assert torch.allclose(damaged.layers[-1].values, exact.layers[-1].values, atol=1e-5)
+
+
+def test_run_first_layers_fills_only_the_first_layers_with_exact_kv():
+    from transformers import DynamicCache
+
+    model = make_tiny_model(3, num_layers=4)
+    ids = [(3 * i) % 90 + 5 for i in range(24)]
+    exact = _prefilled_cache(model, ids)
+    cache = DynamicCache(ddp_cache_data=[(layer.keys[:, :, :10].clone(), layer.values[:, :, :10].clone())
+                                          for layer in exact.layers], config=model.config)
+    with torch.no_grad():
+        run_first_layers(_forward(model), model, ids[10:], cache, last_layer=1)
+    assert [layer.get_seq_length() for layer in cache.layers] == [24, 24, 10, 10]
+    for got, want in zip(cache.layers[:2], exact.layers[:2]):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+
+
+def test_kv_deviation_is_relative_and_per_token():
+    keys, values = torch.ones(2, 3, 4), torch.ones(2, 3, 4)
+    moved_keys = keys.clone()
+    moved_keys[:, 1] *= 2.0  # token 1's keys double: ||diff|| = ||k||, against ||(k, v)|| = sqrt(2) ||k||
+    deviation = kv_deviation(keys, values, moved_keys, values)
+    assert deviation.shape == (3,)
+    assert deviation[0] == 0 and deviation[2] == 0
+    assert deviation[1].item() == pytest.approx(2 ** -0.5)
+
+
+def _gap_to_exact(model, tokenizer, **asks):
+    engine = asks_engine(model, tokenizer, tau=0.0, min_reuse_tokens=16, **asks)
+    engine.generate(CACHED, SamplingParams(max_new_tokens=4))
+    got = engine.generate(REQUEST, SamplingParams(max_new_tokens=12))
+    exact = RKSCEngine(model, tokenizer).generate(REQUEST, SamplingParams(max_new_tokens=12))
+    return got, max(abs(x - y) for x, y in zip(got.logprobs, exact.logprobs))
+
+
+def test_deviation_probe_is_recorded_and_repair_brings_reuse_close_to_exact(tiny_tokenizer):
+    model = make_tiny_model(0, num_layers=6)
+    plain, plain_gap = _gap_to_exact(model, tiny_tokenizer)
+    decision = plain.asks
+    assert decision.reused and decision.probe_tokens == decision.remainder_tokens
+    assert 0 < decision.mean_deviation <= decision.max_deviation
+    assert plain_gap > 1e-2, "a six-layer random model should show that reused KV is approximate"
+    repaired, repaired_gap = _gap_to_exact(model, tiny_tokenizer, recompute_fraction=0.95)
+    assert repaired.asks.reused and repaired.asks.recomputed_tokens == round(0.95 * decision.remainder_tokens)
+    assert repaired_gap < plain_gap / 10, f"recomputing 95% should nearly close the gap ({repaired_gap:.2e})"
+    stats_engine = asks_engine(model, tiny_tokenizer, tau=0.0, min_reuse_tokens=16)
+    assert stats_engine.config.asks.recompute_selection == "deviation"
+
+
+def test_deviation_gate_falls_back_to_the_exact_output(tiny_tokenizer):
+    model = make_tiny_model(0, num_layers=6)
+    engine = asks_engine(model, tiny_tokenizer, tau=0.0, min_reuse_tokens=16, max_mean_deviation=1e-9)
+    engine.generate(CACHED, SamplingParams(max_new_tokens=4))
+    got = engine.generate(REQUEST, SamplingParams(max_new_tokens=16))
+    assert got.asks is not None and not got.asks.reused
+    assert got.asks.mean_deviation > 1e-9 and got.asks.probe_tokens == got.asks.remainder_tokens
+    assert got.token_ids == hf_greedy(model, tiny_tokenizer, REQUEST, 16)
+    request_ids = tiny_tokenizer(REQUEST)["input_ids"]
+    assert engine.prefix_cache.match_prefix(request_ids).num_tokens == len(request_ids), "exact KV is cached"
+    # A loose gate lets the same request reuse.
+    loose = asks_engine(model, tiny_tokenizer, tau=0.0, min_reuse_tokens=16, max_mean_deviation=10.0)
+    loose.generate(CACHED, SamplingParams(max_new_tokens=4))
+    assert loose.generate(REQUEST, SamplingParams(max_new_tokens=4)).asks.reused
