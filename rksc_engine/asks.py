@@ -51,7 +51,9 @@ from typing import Any
 import torch
 
 from .config import ASKSConfig
+from .memory import roll_back
 from .types import ASKSDecision
+from .verifier import decoder_parts
 
 # RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
@@ -398,9 +400,7 @@ def prefill_with_asks(
 
     num_recomputed = min(m, int(round(config.recompute_fraction * m)))
     if num_recomputed == m:  # recomputing all of it is the exact path
-        out = run(prompt_ids[k + a:], cache)
-        return ASKSPrefill(cache, out.logits[:, -1, :], decision(False, 0, m), len(prompt_ids),
-                           len(prompt_ids) - k, k)
+        return fall_back()
     rotary = rotary_embedding_of(model)
     start = k + b  # where the remainder starts in the cached sequence
 
@@ -421,22 +421,20 @@ def prefill_with_asks(
         cache = _cache_from_layers(layers, model.config)
         exact_end = k + a + num_recomputed
     else:
-        probe_layer = PROBE_LAYER
-        run_first_layers(forward, model, prompt_ids[k + a:k + a + m], cache, probe_layer)
-        fresh_keys, fresh_values = (t[0, :, k + a:] for t in (cache.layers[probe_layer].keys,
-                                                              cache.layers[probe_layer].values))
-        old_keys, old_values = (t[0] for t in reused_kv(probe_layer))
+        run_first_layers(forward, model, prompt_ids[k + a:k + a + m], cache, PROBE_LAYER)
+        fresh_keys, fresh_values = (t[0, :, k + a:] for t in (cache.layers[PROBE_LAYER].keys,
+                                                              cache.layers[PROBE_LAYER].values))
+        old_keys, old_values = (t[0] for t in reused_kv(PROBE_LAYER))
         deviation = kv_deviation(fresh_keys, fresh_values, old_keys, old_values)  # (m,)
         probe.update(tokens=m, mean=float(deviation.mean()), max=float(deviation.max()))
         if probe["mean"] > config.max_mean_deviation:
-            for layer in cache.layers[:probe_layer + 1]:
-                _truncate(layer, k + a)
+            roll_back(cache, [k + a] * len(cache.layers))  # forget the probed layers' remainder
             return fall_back()
         # Layers up to the probe now hold the remainder's exact KV; the deeper ones take the reused KV.
         layers = []
         for i, layer in enumerate(cache.layers):
             keys, values = layer.keys, layer.values
-            if i > probe_layer:
+            if i > PROBE_LAYER:
                 reused_keys, reused_values = reused_kv(i)
                 keys, values = torch.cat((keys, reused_keys), dim=-2), torch.cat((values, reused_values), dim=-2)
             layers.append((keys, values))
@@ -466,12 +464,11 @@ class _StopAfterLayer(Exception):
 def run_first_layers(forward: Forward, model: Any, ids: Sequence[int], cache: Any, last_layer: int) -> None:
     """Run ``ids`` on top of ``cache`` through decoder layers ``0..last_layer`` only; those layers of
     ``cache`` gain the tokens' (exact) KV, the deeper layers are left as they were."""
-    layers = model.model.layers
 
     def stop(*_: Any) -> None:
         raise _StopAfterLayer
 
-    handle = layers[last_layer].register_forward_hook(stop)
+    handle = decoder_parts(model)[0][last_layer].register_forward_hook(stop)
     try:
         forward(torch.tensor([list(ids)], device=cache.layers[0].keys.device), cache, logits_to_keep=1)
     except _StopAfterLayer:
@@ -514,11 +511,4 @@ def recompute_positions(forward: Forward, model: Any, prompt_ids: Sequence[int],
     for layer in cache.layers:
         layer.keys[:, :, positions] = layer.keys[:, :, length:]
         layer.values[:, :, positions] = layer.values[:, :, length:]
-        _truncate(layer, length)
-
-
-def _truncate(layer: Any, length: int) -> None:
-    # transformers >= 5 crops by a negative count of tokens to remove.
-    excess = layer.get_seq_length() - length
-    if excess > 0:
-        layer.crop(-excess)
+    roll_back(cache, [length] * len(cache.layers))  # drop the appended copies
