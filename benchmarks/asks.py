@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import time
@@ -59,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine  # noqa: E402
 from rksc_engine.answers import extract_gsm8k_answer  # noqa: E402
+from rksc_engine.cgee import wilson_interval  # noqa: E402
 from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks.json"
@@ -190,19 +190,22 @@ def greedy_from(engine: RKSCEngine, prefilled, workload: str, max_new_tokens: in
     Stops at EOS, at ``max_new_tokens``, or once at least ``GREEDY_WINDOW`` tokens are out and the
     final answer is settled (SC: a finished ``#### x`` line; agent: the first line is complete)."""
     cache, logits, tokens = prefilled.cache, prefilled.last_logits, []
-    eos = engine._eos_ids
     for _ in range(max_new_tokens):
         token = int(logits.argmax(-1))
         tokens.append(token)
-        if token in eos:
+        if token in engine._eos_ids or answer_settled(engine, workload, tokens):
             break
-        if len(tokens) >= GREEDY_WINDOW:
-            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-            done = "\n" in text.strip() if workload == "agent template" else GSM8K_DONE.search(text)
-            if done:
-                break
         logits = engine._forward(torch.tensor([[token]], device=engine.device), cache).logits[:, -1, :]
     return tokens
+
+
+def answer_settled(engine: RKSCEngine, workload: str, tokens: list[int]) -> bool:
+    """Whether a greedy decode can stop: at least ``GREEDY_WINDOW`` tokens are out and the final
+    answer is settled (SC: a finished ``#### x`` line; agent: the first line is complete)."""
+    if len(tokens) < GREEDY_WINDOW:
+        return False
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    return "\n" in text.strip() if workload == "agent template" else bool(GSM8K_DONE.search(text))
 
 
 def answer_of(engine: RKSCEngine, workload: str, tokens: list[int]) -> str | None:
@@ -216,15 +219,6 @@ def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     ref = torch.log_softmax(ref_logits.double(), -1)
     got = torch.log_softmax(logits.double(), -1)
     return float((ref.exp() * (ref - got)).sum())
-
-
-def wilson_low(successes: int, n: int, z: float = 1.96) -> float:
-    if n == 0:
-        return float("nan")
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - spread) / (1 + z * z / n)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -310,7 +304,7 @@ def summarise(rows: list[dict], exact_rows: list[dict]) -> dict:
         kl=sum(r["kl"] for r in rows) / len(rows),
         greedy_share=sum(r["greedy_share"] for r in rows) / len(rows),
         greedy_all=sum(r["greedy_all"] for r in rows) / len(rows),
-        answer_agree=agree / len(rows), answer_agree_low=wilson_low(agree, len(rows)),
+        answer_agree=agree / len(rows), answer_agree_low=wilson_interval(agree, len(rows))[0],
         sigma_min=min(sigmas) if sigmas else None, sigma_max=max(sigmas) if sigmas else None,
     )
 

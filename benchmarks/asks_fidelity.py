@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -49,22 +48,14 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from asks import GREEDY_WINDOW, GSM8K_DONE, WORDINGS, answer_of, shots_for  # noqa: E402
+from asks import WORDINGS, answer_of, answer_settled, shots_for  # noqa: E402
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine  # noqa: E402
+from rksc_engine.cgee import wilson_interval  # noqa: E402
 from rksc_engine.datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks_fidelity.json"
 WORKLOAD = "prompt-ensemble SC"
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return float("nan"), float("nan")
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - spread) / (1 + z * z / n), (centre + spread) / (1 + z * z / n)
 
 
 def build_arms(base: RKSCEngine, args: argparse.Namespace) -> dict[str, RKSCEngine | None]:
@@ -110,11 +101,7 @@ def batched_greedy(base: RKSCEngine, caches: list, logits: list[torch.Tensor], m
             if done[row]:
                 continue
             tokens[row].append(token)
-            if token in base._eos_ids:
-                done[row] = True
-            elif len(tokens[row]) >= GREEDY_WINDOW and GSM8K_DONE.search(
-                    base.tokenizer.decode(tokens[row], skip_special_tokens=True)):
-                done[row] = True
+            done[row] = token in base._eos_ids or answer_settled(base, WORKLOAD, tokens[row])
         if all(done):
             break
         step_logits = base._forward(chosen[:, None], cache).logits[:, -1, :]
@@ -203,7 +190,7 @@ def gated(rows_by_arm: dict[str, list[dict]], arm: str, reuse) -> list[dict]:
 def summarise(rows: list[dict], exact_rows: list[dict]) -> dict:
     prompt = sum(r["prompt_tokens"] for r in rows)
     agree = sum(r["agree"] for r in rows)
-    low, high = wilson(agree, len(rows))
+    low, high = wilson_interval(agree, len(rows))
     reused = [r for r in rows if r["reused"]]
     reused_agree = sum(r["agree"] for r in reused)
     return dict(

@@ -114,9 +114,13 @@ def weight_bytes(model) -> int:
     return total
 
 
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def kv_bytes_per_token(model) -> int:
     cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
@@ -125,7 +129,7 @@ def prefill_flops_per_token(model, num_tokens: int) -> float:
     (QK^T and PV over on average half the prompt); the LM head runs for the last token only."""
     cfg = model.config.get_text_config()
     layer_params = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * (num_tokens / 2)
     return 2 * layer_params + attention
 
@@ -135,7 +139,7 @@ def decode_flops(model, n: int, num_prompt_tokens: int) -> float:
     head included, it runs for every branch) per branch, plus attention over the prompt."""
     cfg = model.config.get_text_config()
     linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * num_prompt_tokens
     return n * (2 * linear_params + attention)
 
@@ -146,13 +150,14 @@ def kernel_floor_seconds(model, n: int, num_prompt_tokens: int, repeats: int) ->
     layer's attention of n queries over the prompt's KV (the fused kernel the shared-prefix path
     uses). Weights are the model's own, so they stream from memory as they do in a real step."""
     cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_dim_of(cfg)
     kv_heads, group = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     layers = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in model.model.layers]
     inputs = {m.in_features: torch.randn(n, m.in_features, dtype=dtype, device=device)
               for block in layers for m in block}
-    inputs.setdefault(model.lm_head.in_features, torch.randn(n, model.lm_head.in_features, dtype=dtype))
+    inputs.setdefault(model.lm_head.in_features,
+                      torch.randn(n, model.lm_head.in_features, dtype=dtype, device=device))
     prompt_kv = [torch.randn(2, 1, kv_heads, num_prompt_tokens, head_dim, dtype=dtype, device=device)
                  for _ in layers]
     query = torch.randn(1, kv_heads, n * group, head_dim, dtype=dtype, device=device)
