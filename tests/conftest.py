@@ -19,6 +19,20 @@ CHAT_TEMPLATE = (
 )
 
 
+# Hand-built KV for radix-cache tests, in the cache's layout (L, 2, H_kv, T, D).
+RADIX_LAYERS, RADIX_KV_HEADS, RADIX_HEAD_DIM = 2, 2, 4
+RADIX_BYTES_PER_TOKEN = RADIX_LAYERS * 2 * RADIX_KV_HEADS * RADIX_HEAD_DIM * 4  # float32
+
+
+def radix_kv(token_ids):
+    """KV whose values encode (token id, position), so slices can be checked exactly."""
+    t = torch.zeros(RADIX_LAYERS, 2, RADIX_KV_HEADS, len(token_ids), RADIX_HEAD_DIM)
+    for pos, tok in enumerate(token_ids):
+        t[:, :, :, pos, 0] = tok
+        t[:, :, :, pos, 1] = pos
+    return t
+
+
 def make_char_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

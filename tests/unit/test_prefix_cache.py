@@ -5,20 +5,10 @@ import random
 
 import pytest
 import torch
+from conftest import RADIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
+from conftest import radix_kv as kv_for
 
 from rksc_engine.prefix_cache import RadixPrefixCache, make_eviction_policy
-
-L, H, D = 2, 2, 4
-BYTES_PER_TOKEN = L * 2 * H * D * 4  # float32
-
-
-def kv_for(token_ids):
-    """KV whose values encode (token id, position) so slices can be checked exactly."""
-    t = torch.zeros(L, 2, H, len(token_ids), D)
-    for pos, tok in enumerate(token_ids):
-        t[:, :, :, pos, 0] = tok
-        t[:, :, :, pos, 1] = pos
-    return t
 
 
 def make_cache(budget_tokens=1000, block_size=16, policy="lru"):

@@ -3,23 +3,15 @@ the config, exact recompute of evicted prefixes, and out-of-memory recovery of f
 
 import pytest
 import torch
+from conftest import RADIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
+from conftest import radix_kv as kv_for
 
 from rksc_engine import EngineConfig, ForwardOutOfMemoryError, PrefixCacheConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
 from rksc_engine.memory import cache_lengths, run_with_oom_retry
 from rksc_engine.prefix_cache import RadixPrefixCache
 
-L, H, D = 2, 2, 4
-BYTES_PER_TOKEN = L * 2 * H * D * 4  # float32
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers, K and V, 2 KV heads, head_dim 16, fp32
-
-
-def kv_for(token_ids):
-    t = torch.zeros(L, 2, H, len(token_ids), D)
-    for pos, tok in enumerate(token_ids):
-        t[:, :, :, pos, 0] = tok
-        t[:, :, :, pos, 1] = pos
-    return t
 
 
 A = [1, 2, 3, 4]                # positions 0-3,  omega 1.0 (the prompt)
