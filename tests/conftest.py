@@ -7,6 +7,7 @@ chat templates, EOS), so exactness can be checked token for token against plain 
 from __future__ import annotations
 
 import ast
+import asyncio
 import operator
 import string
 
@@ -31,6 +32,26 @@ def radix_kv(token_ids):
         t[:, :, :, pos, 0] = tok
         t[:, :, :, pos, 1] = pos
     return t
+
+
+async def ticks_during(awaitable, interval: float = 0.01) -> tuple[object, int]:
+    """Await ``awaitable`` while a ticker task counts event-loop turns every ``interval`` seconds;
+    returns ``(result, ticks)``. A call that blocks the loop lets the ticker run about once."""
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(ticker())
+    try:
+        return await awaitable, ticks
+    finally:
+        done.set()
+        await task
 
 
 def make_char_tokenizer():

@@ -14,7 +14,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
 from rksc_integrations.langchain import CACHE_EVENT, RKSCLLM  # noqa: E402
-from tests.conftest import make_char_tokenizer, make_tiny_model  # noqa: E402
+from tests.conftest import make_char_tokenizer, make_tiny_model, ticks_during  # noqa: E402
 
 PROMPT = "The quick brown fox"
 
@@ -115,27 +115,17 @@ def test_generation_info_and_the_custom_event_report_prompt_cache_reuse(llm):
 def test_ainvoke_and_astream_leave_the_event_loop_free(engine):
     llm = RKSCLLM(engine=engine, max_tokens=300)
 
+    async def collect_stream():
+        return "".join([c async for c in llm.astream(PROMPT)])
+
     async def main():
-        ticks = 0
-        done = asyncio.Event()
+        text, during_invoke = await ticks_during(llm.ainvoke(PROMPT), interval=0.001)
+        streamed, during_stream = await ticks_during(collect_stream(), interval=0.001)
+        return text, streamed, during_invoke, during_stream
 
-        async def ticker():
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        task = asyncio.create_task(ticker())
-        text = await llm.ainvoke(PROMPT)
-        during_invoke = ticks
-        streamed = "".join([c async for c in llm.astream(PROMPT)])
-        done.set()
-        await task
-        return text, streamed, during_invoke, ticks
-
-    text, streamed, during_invoke, ticks = asyncio.run(main())
+    text, streamed, during_invoke, during_stream = asyncio.run(main())
     assert streamed == text
-    assert during_invoke > 5 and ticks - during_invoke > 5
+    assert during_invoke > 5 and during_stream > 5
 
 
 def test_a_prompt_that_is_not_a_string_is_a_clear_error(llm):

@@ -34,7 +34,7 @@ from rksc_integrations.langchain import (  # noqa: E402
     ReasonerOutput,
     RKSCEventCollector,
 )
-from tests.conftest import make_char_tokenizer, make_tiny_model  # noqa: E402
+from tests.conftest import make_char_tokenizer, make_tiny_model, ticks_during  # noqa: E402
 
 QUESTION = "What is 2+3?"
 SHOTS = synthetic_problems(2, seed=1)
@@ -213,20 +213,9 @@ def test_ainvoke_and_abatch_leave_the_event_loop_free_and_send_the_events(engine
     collector = RKSCEventCollector()
 
     async def main():
-        ticks, done = 0, asyncio.Event()
-
-        async def ticker():
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        task = asyncio.create_task(ticker())
-        out = await reasoner.ainvoke(QUESTION, config={"callbacks": [collector]})
-        during = ticks
+        out, during = await ticks_during(reasoner.ainvoke(QUESTION, config={"callbacks": [collector]}),
+                                         interval=0.001)
         batched = await reasoner.abatch([QUESTION, "What is 7+8?"])
-        done.set()
-        await task
         return out, batched, during
 
     out, batched, ticks_during_ainvoke = asyncio.run(main())

@@ -39,7 +39,7 @@ from rksc_integrations.llama_index import (  # noqa: E402
 )
 from rksc_integrations.llama_index.branches import decide  # noqa: E402
 from rksc_integrations.llama_index.messages import parse_tool_calls, to_engine_messages  # noqa: E402
-from tests.conftest import make_char_tokenizer, make_tiny_model  # noqa: E402
+from tests.conftest import make_char_tokenizer, make_tiny_model, ticks_during  # noqa: E402
 
 
 class Recorder(BaseEventHandler):
@@ -236,28 +236,10 @@ def _slow(engine, monkeypatch, delay: float = 0.05):
     monkeypatch.setattr(engine, "stream", slow_stream)
 
 
-async def _ticks_during(coro) -> tuple[object, int]:
-    ticks = 0
-    done = asyncio.Event()
-
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0.01)
-
-    task = asyncio.create_task(ticker())
-    try:
-        return await coro, ticks
-    finally:
-        done.set()
-        await task
-
-
 def test_acomplete_does_not_block_the_event_loop(llm, tiny_engine, monkeypatch):
     expected = llm.complete("hello").text
     _slow(tiny_engine, monkeypatch)
-    response, ticks = asyncio.run(_ticks_during(llm.acomplete("hello")))
+    response, ticks = asyncio.run(ticks_during(llm.acomplete("hello")))
     assert response.text == expected
     assert ticks >= 10  # the engine slept 0.3 s in its thread; a blocked loop would tick once
 
@@ -269,7 +251,7 @@ def test_astream_complete_streams_tokens_without_blocking_the_loop(llm, tiny_eng
     async def consume():
         return [r async for r in await llm.astream_complete("hello")]
 
-    pieces, ticks = asyncio.run(_ticks_during(consume()))
+    pieces, ticks = asyncio.run(ticks_during(consume()))
     assert pieces[-1].text == expected and "".join(p.delta for p in pieces) == expected
     assert len(pieces) > 2
     assert ticks >= 10
