@@ -26,18 +26,51 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
     return expected.__name__
 
 
+# The largest seed any branch's generator gets. ``torch.Generator.manual_seed`` takes [0, 2**64)
+# and raises "Overflow when unpacking long long" above it; staying in int64 keeps seeds storable
+# wherever an int64 is (tensors, NumPy, JSON readers that parse into int64).
+MAX_BRANCH_SEED = 2**63 - 1
+# Seeds kept free above ``SamplingParams.seed`` for sibling branches (``seed + i``) and tree-search
+# children (``seed + node * breadth + k``), so a valid seed never overflows one of them.
+SEED_HEADROOM = 2**20
+# The largest ``SamplingParams.seed``.
+MAX_SEED = MAX_BRANCH_SEED - SEED_HEADROOM
+# Below this temperature sampling is treated as greedy: at 1e-5 a logit gap of 1e-3 already makes
+# the runner-up e^-100 times as likely, so a draw can differ from the argmax only between tokens
+# whose logits are within about 1e-4 of each other; far smaller ones overflow float32 (NaN).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# Below this top_p the nucleus is the top token alone for any vocabulary under a million tokens
+# (the top token's probability is at least 1 / vocab_size), which is greedy decoding.
+MIN_TOP_P = 1e-6
+
+
+def check_branch_seeds(seed: int, n: int) -> None:
+    """Raise ``ValueError`` unless the seeds ``seed .. seed + n - 1`` of ``n`` branches are all in
+    ``[0, MAX_BRANCH_SEED]`` (``SamplingParams`` checks ``seed`` alone)."""
+    if seed < 0 or seed + n - 1 > MAX_BRANCH_SEED:
+        raise ValueError(f"seed + n - 1 must be <= {MAX_BRANCH_SEED} (branch i is seeded seed + i), "
+                         f"got seed={seed}, n={n}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to decode one request.
 
     Attributes:
         max_new_tokens: Upper bound on generated tokens per branch, >= 1. Default 256.
-        temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``. Default 0.
-        top_p: Nucleus mass in (0, 1]; 1 disables it. Default 1.
+        temperature: Finite, >= 0. 0 means greedy (argmax); > 0 samples from
+            ``softmax(logits / temperature)``. Default 0.
+        top_p: Nucleus mass in (0, 1]; 1 disables it; the most likely token is always kept. Default 1.
         top_k: Keep the k most likely tokens; 0 disables it. Default 0.
         stop: Strings that end a branch; the text is cut before the first occurrence. Default none.
-        seed: Seed of branch 0; branch i draws from its own generator seeded ``seed + i``, so a branch
-            is the same whether it runs alone or beside siblings. ``None`` picks a fresh seed per call.
+        seed: Seed of branch 0, in ``[0, MAX_SEED]``; branch i draws from its own generator seeded
+            ``seed + i``, so a branch is the same whether it runs alone or beside siblings. ``None``
+            picks a fresh seed per call.
+
+    Near-zero settings: a temperature in ``(0, MIN_SAMPLING_TEMPERATURE)`` or a ``top_p`` below
+    ``MIN_TOP_P`` decodes greedily (``greedy`` is True): there sampling could differ from the argmax
+    only between near-tied tokens, and dividing logits by a temperature like 1e-45 overflows float32
+    to ``inf``, whose softmax is NaN.
     """
 
     max_new_tokens: int = 256
@@ -52,10 +85,10 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check_type("temperature", self.temperature, (int, float))
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         _check_type("top_p", self.top_p, (int, float))
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # also rejects NaN and inf
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_type("top_k", self.top_k, int)
         if self.top_k < 0:
@@ -70,12 +103,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None:
             _check_type("seed", self.seed, int)
-            if self.seed < 0:
-                raise ValueError(f"seed must be >= 0 or None, got {self.seed}")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}] (MAX_SEED, leaving room for seed + i of "
+                                 f"every branch) or None, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Decode by argmax: temperature 0, or a temperature or ``top_p`` too small to sample with."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_p < MIN_TOP_P
 
 
 @dataclass(frozen=True)
@@ -105,8 +140,12 @@ class RSBCMConfig:
             ``branch_score / (depth + 1)``, ties least recently used) or ``"lru"``.
         oom_max_attempts: Tries of a forward pass that runs out of memory (>= 1), evicting and
             shrinking the cache budget between tries. Default 3.
-        oom_budget_shrink: Factor in (0, 1) applied to the cache budget after each out-of-memory
-            error. Default 0.5.
+        oom_budget_shrink: Factor in (0, 1) applied to the cache budget (and to the unlocked KV it
+            holds) after each out-of-memory error; the budget stays at least what the running
+            request needs. Default 0.5.
+        oom_budget_restore: Factor in (1, 1024] by which a shrunk budget grows back towards
+            ``cache_budget_mb`` after each request that ran without running out of memory.
+            Default 2 (a halved budget is whole again after one clean request).
         oom_backoff_s: First wait between tries in seconds (>= 0), doubling each retry. Default 0.05.
     """
 
@@ -115,6 +154,7 @@ class RSBCMConfig:
     policy: str = "omega"
     oom_max_attempts: int = 3
     oom_budget_shrink: float = 0.5
+    oom_budget_restore: float = 2.0
     oom_backoff_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -137,6 +177,9 @@ class RSBCMConfig:
         _check_type("rsbcm.oom_budget_shrink", self.oom_budget_shrink, (int, float))
         if not 0 < self.oom_budget_shrink < 1:
             raise ValueError(f"rsbcm.oom_budget_shrink must be in (0, 1), got {self.oom_budget_shrink}")
+        _check_type("rsbcm.oom_budget_restore", self.oom_budget_restore, (int, float))
+        if not 1 < self.oom_budget_restore <= 1024:
+            raise ValueError(f"rsbcm.oom_budget_restore must be in (1, 1024], got {self.oom_budget_restore}")
         _check_type("rsbcm.oom_backoff_s", self.oom_backoff_s, (int, float))
         if not 0 <= self.oom_backoff_s <= 60:
             raise ValueError(f"rsbcm.oom_backoff_s must be in [0, 60], got {self.oom_backoff_s}")
@@ -275,6 +318,30 @@ class ASKSConfig:
                 raise ValueError(f"asks.{name} must be >= 1, got {value}")
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches concurrent requests (``rksc_engine.scheduler``).
+
+    Attributes:
+        max_batch_rows: Most branches, over all running requests, decoded in one forward (>= 1).
+            A request with more branches than this still runs, alone. Default 64 (decode throughput
+            on a 2-core CPU stops growing between 32 and 64 rows; a GPU gains to far more).
+        max_prefill_tokens: Prompt tokens one step may prefill before it decodes (>= 1); the first
+            waiting request is admitted whatever its length. Bounds how long running branches wait
+            while new requests are admitted. Default 4096.
+    """
+
+    max_batch_rows: int = 64
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_rows", "max_prefill_tokens"):
+            value = getattr(self, name)
+            _check_type(f"scheduler.{name}", value, int)
+            if value < 1:
+                raise ValueError(f"scheduler.{name} must be >= 1, got {value}")
+
+
 DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")
 
 
@@ -294,6 +361,7 @@ class EngineConfig:
             raises instead of falling back; ``"dynamic_cache"``: the plain path, the prompt's KV
             copied once per branch in a ``transformers`` ``DynamicCache``.
         asks: ASKS settings (off by default): KV reuse across prompts that differ in wording.
+        scheduler: How concurrent requests are batched.
     """
 
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
@@ -302,12 +370,14 @@ class EngineConfig:
     cgee: CGEEConfig = field(default_factory=CGEEConfig)
     decode_attention: str = "auto"
     asks: ASKSConfig = field(default_factory=ASKSConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
         _check_type("rsbcm", self.rsbcm, RSBCMConfig)
         _check_type("cgee", self.cgee, CGEEConfig)
         _check_type("asks", self.asks, ASKSConfig)
+        _check_type("scheduler", self.scheduler, SchedulerConfig)
         _check_type("trust_remote_code", self.trust_remote_code, bool)
         _check_type("decode_attention", self.decode_attention, str)
         if self.decode_attention not in DECODE_ATTENTION_MODES:

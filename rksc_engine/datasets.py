@@ -244,6 +244,22 @@ def load_problems_jsonl(path: str | Path, limit: int | None = None) -> tuple[str
     return kind, (load_choice_jsonl(path, limit) if kind == "choice" else load_gsm8k_jsonl(path, limit))
 
 
+def check_problems(value: object, name: str = "few_shot") -> list[Problem]:
+    """``value`` as a list of ``Problem``s, or a ``TypeError`` naming ``name``.
+
+    A string is refused although it is a sequence: ``few_shot="..."`` would otherwise be read one
+    character at a time.
+    """
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of rksc_engine.datasets.Problem (e.g. synthetic_problems(8)), "
+                        f"got {type(value).__name__}")
+    bad = [i for i, item in enumerate(value) if not isinstance(item, Problem)]
+    if bad:
+        raise TypeError(f"{name} must be a list of rksc_engine.datasets.Problem; {name}[{bad[0]}] is a "
+                        f"{type(value[bad[0]]).__name__}")
+    return list(value)
+
+
 def few_shot_messages(question: str, shots: list[Problem], system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
     """Chat messages: a system instruction, the worked examples as user/assistant turns, the question.
 

@@ -9,17 +9,22 @@ Contract:
       A branch that finishes leaves the batch, so it stops costing compute.
     * Exactness: with the prefix cache on or off, greedy output equals ``model.generate(do_sample=False)``
       token for token, and branch i (seeded ``seed + i``) is the same alone or among siblings.
+    * Many requests at once: every call goes through ``submit`` to one scheduler
+      (``rksc_engine.scheduler``), which decodes the branches of all running requests in one forward.
+      A request's tokens do not depend on which other requests shared its batch (each request
+      attends to its own KV with its own operations; only the linear layers see a wider batch).
     * Bad input raises ``ValueError``/``TypeError`` before any cache or counter changes.
-    * Calls are serialised by a re-entrant lock, so threads can share one engine without cross-talk.
+    * The model and caches are touched only under the engine lock, one scheduler step (or one verifier
+      pass) at a time; no lock is held while a caller reads a stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import secrets
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,8 @@ from .config import EngineConfig, SamplingParams
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .memory import run_with_oom_retry
 from .prefix_cache import RadixPrefixCache
-from .sampling import choose_next_tokens, make_generators
+from .requests import LogitsProcessor, RequestHandle
+from .scheduler import Scheduler
 from .shared_prefix import (
     ATTENTION_NAME,
     ProbeResult,
@@ -44,18 +50,6 @@ from .types import ASKSDecision, Completion, EngineStats, StreamChunk
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass
-class _Branch:
-    """Mutable decoding state of one branch."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
 
 
 @dataclass
@@ -102,6 +96,7 @@ class RKSCEngine:
         forward_params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._shared_prefix_probe: ProbeResult | None = None  # probed on first decode, see _use_shared_prefix
+        self._scheduler = Scheduler(self)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -206,6 +201,11 @@ class RKSCEngine:
             raise ValueError("prompt encodes to zero tokens")
         return ids
 
+    def encode_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
+        """Token ids of chat ``messages`` rendered with the model's chat template (generation prompt
+        appended); ``template_kwargs`` go to ``apply_chat_template`` (``tools=...``)."""
+        return self._encode_chat(list(messages), **template_kwargs)
+
     def _encode_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
         for i, message in enumerate(messages):
             role = message.get("role")
@@ -225,7 +225,14 @@ class RKSCEngine:
             messages, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
 
-    def _check_request(self, prompt_ids: list[int], n: int, params: SamplingParams | None) -> SamplingParams:
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a branch (the generation config's and the tokenizer's EOS)."""
+        return self._eos_ids
+
+    def validate_request(self, prompt_ids: list[int], n: int, params: SamplingParams | None) -> SamplingParams:
+        """Check a request before anything runs: ``params`` (default ``SamplingParams()``), ``n`` and the
+        prompt's length against the context window. Returns the params to use."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -241,59 +248,100 @@ class RKSCEngine:
         return params
 
     # -- public generation ----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: Prompt,
+        n: int = 1,
+        params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> RequestHandle:
+        """Queue a request of ``n`` branches and return its handle at once.
+
+        The scheduler batches it with every other running request (one forward decodes all their
+        branches); the prompt is prefilled once, its longest cached prefix served by the radix cache.
+        Bad input raises here, before anything is queued or counted.
+
+        Args:
+            prompt: A string, a list of chat messages, or token ids.
+            n: Sibling branches (>= 1); branch ``i`` samples with the generator seeded ``seed + i``.
+            params: Sampling settings (default greedy, 256 new tokens).
+            stream: Deliver a ``StreamChunk`` per step and branch (iterate the handle); otherwise only
+                each branch's final chunk.
+            logits_processor: ``fn(token_ids_per_row, logits (rows, V)) -> logits`` applied to this
+                request's rows before sampling (token masks, constrained decoding); logprobs are then
+                over the processed distribution.
+
+        Returns:
+            A ``RequestHandle``: ``.result()``, iterate it, ``await`` it, or ``.cancel()`` it.
+        """
+        prompt_ids = self.encode(prompt)
+        params = self.validate_request(prompt_ids, n, params)
+        if logits_processor is not None and not callable(logits_processor):
+            raise TypeError(f"logits_processor must be callable, got {type(logits_processor).__name__}")
+        if not isinstance(stream, bool):
+            raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+        return self._scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor)
+
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""
-        return self.generate_branches(prompt, 1, params)[0]
+        return self.submit(prompt, 1, params).result()[0]
 
     def generate_branches(self, prompt: Prompt, n: int, params: SamplingParams | None = None) -> list[Completion]:
         """``n`` sibling completions of one prompt, prefilled once and decoded as one batch."""
-        prompt_ids = self.encode(prompt)
-        params = self._check_request(prompt_ids, n, params)
-        with self._lock:
-            info: dict = {}
-            *_, (branches, _) = self._run(prompt_ids, n, params, info)  # drain; the last step holds every branch
-            return [self._to_completion(b, info) for b in branches]
+        return self.submit(prompt, n, params).result()
 
     def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
-        """One completion per prompt; a token prefix shared by several prompts is prefilled once.
+        """One completion per prompt, all submitted at once and decoded together.
 
-        Prompts run in order through the radix cache, so the first computes a shared prefix and the
-        rest reuse it.
+        Every prompt is checked before any is queued. Requests admitted in one step are prefilled in
+        order through the radix cache, so a prefix shared by several prompts is computed once.
         """
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        handles = [h for h in self._submit_all(prompts, 1, params)]
+        return [h.result()[0] for h in handles]
+
+    def _submit_all(self, prompts: Sequence[Prompt], n: int, params: SamplingParams | None) -> list[RequestHandle]:
+        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts")
         encoded = [self.encode(p) for p in prompts]
-        params = SamplingParams() if params is None else params
-        for ids in encoded:
-            self._check_request(ids, 1, params)
-        with self._lock:
-            return [self.generate_branches(ids, 1, params)[0] for ids in encoded]
+        checked = [self.validate_request(ids, n, params) for ids in encoded]
+        return [self._scheduler.submit(ids, n, p, stream=False, logits_processor=None) for ids, p in zip(encoded, checked)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Yield the text of one completion as it is generated.
 
         Text that could still turn out to be the start of a stop string is held back until it is
         known not to be, so a stop string never leaks into the stream. The last chunk carries the
-        finished ``Completion``. The engine lock is held until the stream is exhausted or closed.
+        finished ``Completion``. No lock is held while the caller reads: closing the iterator (or
+        dropping it) from any thread cancels the request and frees its KV.
         """
-        prompt_ids = self.encode(prompt)
-        params = self._check_request(prompt_ids, 1, params)
-        return self._stream(prompt_ids, params)
+        handle = self.submit(prompt, 1, params, stream=True)
+        return _iterate_and_cancel(handle)
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        with self._lock:
-            info: dict = {}
-            pending: list[int] = []
-            for branches, step_tokens in self._run(prompt_ids, 1, params, info):
-                branch = branches[0]
-                pending.extend(step_tokens)
-                if branch.finish_reason is None:
-                    safe = _safe_stream_end(branch.text, params.stop)
-                    if safe > branch.emitted_chars:
-                        yield StreamChunk(branch.text[branch.emitted_chars:safe], tuple(pending))
-                        branch.emitted_chars, pending = safe, []
-            completion = self._to_completion(branch, info)
-            yield StreamChunk(completion.text[branch.emitted_chars:], tuple(pending), completion)
+    async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
+        """``generate`` for asyncio: awaits the scheduler without blocking the event loop."""
+        return (await self.submit(prompt, 1, params))[0]
+
+    async def agenerate_branches(self, prompt: Prompt, n: int, params: SamplingParams | None = None
+                                 ) -> list[Completion]:
+        """``generate_branches`` for asyncio."""
+        return await self.submit(prompt, n, params)
+
+    async def agenerate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None
+                             ) -> list[Completion]:
+        """``generate_many`` for asyncio."""
+        handles = self._submit_all(prompts, 1, params)
+        return [(await h)[0] for h in handles]
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
+        """``stream`` for asyncio; cancelling the consuming task cancels the request."""
+        handle = self.submit(prompt, 1, params, stream=True)
+        try:
+            async for chunk in handle:
+                yield chunk
+        finally:
+            handle.cancel()
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -333,14 +381,22 @@ class RKSCEngine:
         budget (``rsbcm.oom_budget_shrink``), and the pass is retried, ``rsbcm.oom_max_attempts``
         tries in all; then ``ForwardOutOfMemoryError``."""
         # input_ids: (B, T); the cache holds the B rows' earlier positions.
+        return self._run_with_oom_retry(
+            lambda: self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs), cache
+        )
+
+    def _run_with_oom_retry(self, forward: Any, cache: Any) -> Any:
         rsbcm = self.config.rsbcm
         return run_with_oom_retry(
-            lambda: self._model(input_ids=input_ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs),
+            forward,
             cache,
             on_oom=self._free_memory_after_oom,
             max_attempts=rsbcm.oom_max_attempts,
             backoff_s=rsbcm.oom_backoff_s,
         )
+
+    def _after_request(self) -> None:
+        """A request finished: memory pressure has eased, so the cache budget may grow back."""
 
     def _free_memory_after_oom(self, error: BaseException, attempt: int) -> None:
         self._stats.oom_retries += 1
@@ -385,6 +441,45 @@ class RKSCEngine:
         from .reasoning import reason
 
         return reason(self, question, **kwargs)
+
+    def warm_cache(self, prompt: Prompt) -> int:
+        """Compute the KV of ``prompt`` into the prefix cache without generating (a no-op for the part
+        already cached). Returns the prompt tokens computed. Used to share one prefill among requests
+        that are about to follow it."""
+        prompt_ids = self.encode(prompt)
+        self.validate_request(prompt_ids, 1, None)
+        with self._lock:
+            before = self._stats.prompt_tokens_computed
+            self._prefill(prompt_ids)
+            return self._stats.prompt_tokens_computed - before
+
+    def cached_prefix_length(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the prefix cache holds KV for (0 when it is off)."""
+        with self._lock:
+            if not self._cacheable:
+                return 0
+            return self.prefix_cache.match_prefix(list(token_ids)).num_tokens
+
+    @contextlib.contextmanager
+    def cached_prefix(self, prefix_ids: Sequence[int]) -> Iterator[CachedPrefix]:
+        """Hold the engine and lend a batch-1 ``transformers`` cache holding the longest cached prefix
+        of ``prefix_ids`` (always leaving its last token to compute), for a caller that runs its own
+        pass over the model (the verifier's batched Yes/No pass).
+
+        Inside the block no scheduler step runs. Run passes with ``CachedPrefix.run_decoder`` (the
+        out-of-memory retry applies) and set ``CachedPrefix.computed_tokens``/``reused_tokens``; they
+        are added to the engine's counters when the block ends, and the prefix is unlocked.
+        """
+        with self._lock:
+            cache, matched, node = self._cache_for_prefix(list(prefix_ids))
+            lent = CachedPrefix(self, cache, matched)
+            try:
+                yield lent
+            finally:
+                if node is not None:
+                    self.prefix_cache.unlock(node)
+                self._stats.prompt_tokens_computed += lent.computed_tokens
+                self._stats.prompt_tokens_reused += lent.reused_tokens
 
     def _cache_for_prefix(self, prompt_ids: list[int]) -> tuple[Any, int, Any]:
         """A batch-1 DynamicCache holding the longest cached prefix of ``prompt_ids`` (always leaving
@@ -462,45 +557,6 @@ class RKSCEngine:
         return _Prefilled(prompt_ids, result.cache, result.last_logits, result.num_reused_tokens,
                           exact=result.exact, asks=decision)
 
-    @torch.inference_mode()
-    def _run(
-        self, prompt_ids: list[int], n: int, params: SamplingParams, info: dict
-    ) -> Iterator[tuple[list[_Branch], list[int]]]:
-        """Prefill once, decode ``n`` branches; yields ``(branches, tokens of branch 0 this step)``."""
-        seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
-        shared_prefix = self._use_shared_prefix()  # may raise (forced but unsupported) before any state changes
-        self._stats.requests += 1
-        prefilled = self._prefill(prompt_ids)
-        info.update(num_prompt_tokens=len(prompt_ids), num_cached_tokens=prefilled.num_cached_tokens, seed=seed,
-                    asks=prefilled.asks)
-        max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
-        cache, forward_kwargs = self._decode_cache(prefilled.cache, n, max_new, shared_prefix)
-        logits = prefilled.last_logits if n == 1 else prefilled.last_logits.expand(n, -1)
-        generators = [] if params.greedy else make_generators(seed, n, self.device)
-        branches = [_Branch(i) for i in range(n)]
-        active = list(range(n))  # active[row] = branch index of that batch row
-        while True:
-            tokens, logprobs = choose_next_tokens(logits, params, [generators[b] for b in active] if generators else [])
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-            keep_rows = []
-            for row, b in enumerate(active):
-                self._advance(branches[b], token_list[row], logprob_list[row], params, max_new)
-                if branches[b].finish_reason is None:
-                    keep_rows.append(row)
-            self._stats.decode_tokens += len(active)
-            yield branches, [token_list[0]] if active[0] == 0 else []
-            if not keep_rows:
-                if n == 1 and prefilled.exact:  # approximate (ASKS) KV never enters the exact cache
-                    self._cache_generated(prompt_ids, branches[0].token_ids, cache)
-                return
-            if len(keep_rows) < len(active):
-                index = torch.tensor(keep_rows, device=self.device)
-                cache.batch_select_indices(index)
-                tokens = tokens[index]
-                active = [active[r] for r in keep_rows]
-            out = self._decode_forward(tokens[:, None], cache, forward_kwargs)
-            logits = out.logits[:, -1, :]
-
     def _use_shared_prefix(self) -> bool:
         """Whether branches decode through ``SharedPrefixCache`` (config ``decode_attention``).
 
@@ -549,35 +605,31 @@ class RKSCEngine:
         if kv_all.shape[3] == len(sequence):
             self.prefix_cache.insert(sequence, kv_all)
 
-    def _advance(self, branch: _Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
-        branch.token_ids.append(token)
-        branch.logprobs.append(logprob)
-        if token in self._eos_ids:
-            branch.finish_reason = "eos"
-            return
-        branch.text = self._tokenizer.decode(branch.token_ids, skip_special_tokens=True)
-        if params.stop:
-            cut = _first_stop(branch.text, params.stop)
-            if cut is not None:
-                branch.text = branch.text[:cut]
-                branch.finish_reason = "stop"
-                return
-        if len(branch.token_ids) >= max_new:
-            branch.finish_reason = "length"
 
-    @staticmethod
-    def _to_completion(branch: _Branch, info: dict) -> Completion:
-        return Completion(
-            text=branch.text,
-            token_ids=tuple(branch.token_ids),
-            logprobs=tuple(branch.logprobs),
-            finish_reason=branch.finish_reason or "length",
-            num_prompt_tokens=info["num_prompt_tokens"],
-            num_cached_tokens=info["num_cached_tokens"],
-            branch_index=branch.index,
-            seed=info["seed"],
-            asks=info.get("asks"),
-        )
+class CachedPrefix:
+    """What ``RKSCEngine.cached_prefix`` lends: a cache holding a prompt's cached prefix.
+
+    Attributes:
+        cache: A batch-1 ``transformers`` cache of the matched prefix (the caller may repeat its rows).
+        num_tokens: Tokens of the prefix it holds.
+        computed_tokens / reused_tokens: What the caller's passes computed and reused; counted when
+            the block ends.
+    """
+
+    def __init__(self, engine: RKSCEngine, cache: Any, num_tokens: int) -> None:
+        self._engine = engine
+        self.cache = cache
+        self.num_tokens = num_tokens
+        self.computed_tokens = 0
+        self.reused_tokens = 0
+
+    def run_decoder(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder body (no LM head) over ``input_ids`` (B, T) after the cache; returns the final
+        hidden states (B, T, hidden). Out of memory: rolled back and retried like any engine pass."""
+        engine = self._engine
+        body = engine.model.get_decoder()
+        forward = lambda: body(input_ids=input_ids, use_cache=True, **{engine._cache_kwarg: self.cache})  # noqa: E731
+        return engine._run_with_oom_retry(forward, self.cache).last_hidden_state
 
 
 def _stack_kv(cache: Any) -> torch.Tensor:
@@ -585,20 +637,10 @@ def _stack_kv(cache: Any) -> torch.Tensor:
     return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _safe_stream_end(text: str, stops: tuple[str, ...]) -> int:
-    """How much of ``text`` can be streamed: not a trailing partial character, nor a tail that
-    could be the beginning of a stop string."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-        end -= 1
-    for stop in stops:
-        for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[end - k:end] == stop[:k]:
-                end -= k
-                break
-    return end
+def _iterate_and_cancel(handle: RequestHandle) -> Iterator[StreamChunk]:
+    """Branch 0's chunks of ``handle``; leaving early (``close``, garbage collection) cancels it."""
+    try:
+        yield from handle
+    finally:
+        if not handle.done():
+            handle.cancel()

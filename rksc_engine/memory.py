@@ -2,6 +2,9 @@
 shrink the cache budget, and retry with backoff (``tenacity``); a pass that still does not fit ends
 in ``ForwardOutOfMemoryError``.
 
+Out of memory means ``is_out_of_memory``: ``torch.OutOfMemoryError``, ``MemoryError``, or the plain
+``RuntimeError`` torch raises when the CPU allocator fails ("DefaultCPUAllocator: can't allocate memory").
+
 Promises:
     * A failed try leaves the request's ``transformers`` cache exactly as it was before the try:
       layers that had already appended the new positions' KV are cropped back, so a retry never sees
@@ -19,7 +22,7 @@ import torch
 from tenacity import (
     RetryError,
     Retrying,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_exponential,
     wait_none,
@@ -29,10 +32,24 @@ T = TypeVar("T")
 
 # torch.OutOfMemoryError is CUDA/MPS/XPU running out; MemoryError is the host allocator.
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
+# A failed host allocation inside a torch op is a plain RuntimeError ("[enforce fail at
+# alloc_cpu.cpp:...] ... DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes");
+# MPS on older torch raises "MPS backend out of memory" the same way.
+OOM_MESSAGES: tuple[str, ...] = ("can't allocate memory", "MPS backend out of memory")
 
 
 class ForwardOutOfMemoryError(RuntimeError):
     """A forward pass ran out of memory on every try, after the prefix cache was shrunk between tries."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure that freeing memory could cure: one of
+    ``OOM_ERRORS``, or a ``RuntimeError`` whose message says an allocator ran out (``OOM_MESSAGES``)."""
+    if isinstance(error, ForwardOutOfMemoryError):
+        return False  # already retried (its message may quote the allocator's)
+    if isinstance(error, OOM_ERRORS):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in OOM_MESSAGES)
 
 
 def cache_lengths(cache: Any) -> list[int] | None:
@@ -75,8 +92,8 @@ def run_with_oom_retry(
     max_attempts: int,
     backoff_s: float,
 ) -> T:
-    """Run ``forward()``; on an out-of-memory error roll ``cache`` back, call ``on_oom(error,
-    attempt)`` and try again, at most ``max_attempts`` tries in all.
+    """Run ``forward()``; on an out-of-memory error (``is_out_of_memory``) roll ``cache`` back, call
+    ``on_oom(error, attempt)`` and try again, at most ``max_attempts`` tries in all.
 
     Args:
         forward: The pass; it appends to ``cache``.
@@ -93,7 +110,9 @@ def run_with_oom_retry(
     def attempt() -> T:
         try:
             return forward()
-        except OOM_ERRORS as error:
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
             try:
                 roll_back(cache, lengths)
             except ForwardOutOfMemoryError as unrecoverable:
@@ -104,7 +123,7 @@ def run_with_oom_retry(
     retrying = Retrying(
         stop=stop_after_attempt(max_attempts),
         wait=wait,
-        retry=retry_if_exception_type(OOM_ERRORS),
+        retry=retry_if_exception(is_out_of_memory),
         before_sleep=lambda state: on_oom(state.outcome.exception(), state.attempt_number),
         reraise=False,
     )

@@ -20,6 +20,13 @@ Invariants:
       only what fits (its longest block-aligned leading part), so ``peak_bytes`` never passes the
       budget. (Lowering the budget with ``set_budget`` below the locked bytes is the one way to be
       over it; inserts then store nothing until locks are released.)
+    * Out of memory, ``shrink_budget`` lowers the effective budget relative to the budget (never to
+      a fraction of what happens to be held, which would take an empty cache's budget to nothing), to
+      no less than ``min_budget_bytes`` nor than the locked bytes, so it keeps
+      ``total_bytes <= budget_bytes`` even while a running request holds a prefix locked. It also
+      evicts down to ``factor`` of the unlocked bytes held, since a budget far above the held
+      bytes frees no memory by itself. ``relax_budget`` grows the budget back step by step, never
+      past ``configured_budget_bytes``; ``clear`` and ``restore_budget`` return to it at once.
     * A node with ``lock_ref > 0`` (in use by a running request, or an ancestor of one) is never evicted.
     * Only the trailing block of a node without cached descendants (a leaf) is evicted, so every node
       keeps a valid prefix above it; a leaf whose last block goes disappears and may expose its parent.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -252,6 +260,7 @@ class RadixPrefixCache(PrefixCache):
             raise TypeError(f"policy must be an EvictionPolicy or a name, got {type(policy).__name__}")
         self.configured_budget_bytes = budget_bytes
         self.budget_bytes = budget_bytes
+        self.bytes_per_token = 0  # of the last inserted KV; 0 until the first insert
         self.block_size = block_size
         self.policy = policy
         self._ids = itertools.count()
@@ -350,6 +359,7 @@ class RadixPrefixCache(PrefixCache):
             return 0
         parent = path[-1] if path else self.root
         bytes_per_token = kv[:, :, :, :1].numel() * kv.element_size()
+        self.bytes_per_token = bytes_per_token
         num_new = len(token_ids) - matched
         # Protect the path we attach to while making room, so eviction cannot pull it from under us.
         self.lock(parent)
@@ -439,8 +449,9 @@ class RadixPrefixCache(PrefixCache):
         return [n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
 
     def clear(self) -> None:
-        """Drop every unlocked node."""
+        """Drop every unlocked node and go back to the configured budget."""
         self.evict(self.total_bytes + 1)
+        self.restore_budget()
 
     # -- budget -----------------------------------------------------------------------------------
     def set_budget(self, budget_bytes: int) -> int:
@@ -450,13 +461,53 @@ class RadixPrefixCache(PrefixCache):
         self.budget_bytes = budget_bytes
         return self.evict(self.total_bytes - budget_bytes) if self.total_bytes > budget_bytes else 0
 
-    def shrink_budget(self, factor: float) -> int:
-        """Memory pressure: lower the effective budget to ``factor`` times what is held now (or the
-        current budget, if smaller) and evict down to it; returns the bytes freed."""
-        if not 0 < factor < 1:
-            raise ValueError(f"factor must be in (0, 1), got {factor}")
-        target = int(min(self.budget_bytes, self.total_bytes) * factor)
-        return self.set_budget(max(1, target))
+    def shrink_budget(self, factor: float, *, min_budget_bytes: int | None = None) -> int:
+        """Memory pressure (a forward pass ran out of memory): lower the effective budget to ``factor``
+        times the current budget, and evict down to ``factor`` times the unlocked bytes held, so the
+        retry finds memory freed now and the cache grows less afterwards.
+
+        The budget goes no lower than ``min_budget_bytes`` (and does not rise to reach it), and
+        never below the locked bytes: KV a running request has locked cannot be evicted, so a budget
+        below it would leave ``total_bytes`` over the budget.
+
+        Args:
+            factor: In (0, 1).
+            min_budget_bytes: Smallest budget to shrink to, >= 1: what one request's prompt needs
+                cached, say. Default one block's worth of the last inserted KV (1 byte before any
+                insert). Capped at the configured budget.
+
+        Returns:
+            The bytes freed.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+            raise ValueError(f"factor must be a number in (0, 1), got {factor!r}")
+        if min_budget_bytes is None:
+            min_budget_bytes = max(1, self.block_size * self.bytes_per_token)
+        elif (not isinstance(min_budget_bytes, int) or isinstance(min_budget_bytes, bool)
+              or min_budget_bytes < 1):
+            raise ValueError(f"min_budget_bytes must be an int >= 1, got {min_budget_bytes!r}")
+        locked_bytes = self.locked_bytes
+        floor = min(min_budget_bytes, self.configured_budget_bytes)
+        shrunk = min(self.budget_bytes, max(floor, int(self.budget_bytes * factor)))
+        self.budget_bytes = max(shrunk, locked_bytes)
+        # A budget far above the held bytes frees nothing, so give back part of what is held too.
+        unlocked_bytes = self.total_bytes - locked_bytes
+        target = min(self.budget_bytes, locked_bytes + int(unlocked_bytes * factor))
+        return self.evict(self.total_bytes - target) if self.total_bytes > target else 0
+
+    def relax_budget(self, factor: float) -> int:
+        """Grow a shrunk budget back towards the configured one after work that fit in memory:
+        ``factor`` times the current budget (at least one byte more), capped at
+        ``configured_budget_bytes``. Returns the new budget.
+
+        Args:
+            factor: > 1 and finite.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
+            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+        grown = max(self.budget_bytes + 1, math.ceil(self.budget_bytes * factor))
+        self.budget_bytes = min(self.configured_budget_bytes, grown)
+        return self.budget_bytes
 
     def restore_budget(self) -> None:
         """Go back to the configured budget after ``set_budget``/``shrink_budget``."""
@@ -488,6 +539,11 @@ class RadixPrefixCache(PrefixCache):
     @property
     def evictable_bytes(self) -> int:
         return sum(n.num_bytes for n in self._iter_nodes() if n.lock_ref == 0)
+
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes of nodes a running request holds (``lock_ref > 0``), which no eviction can free."""
+        return self.total_bytes - self.evictable_bytes
 
     def _iter_nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())

@@ -19,7 +19,7 @@ from typing import Any
 from .answers import extract_gsm8k_answer
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
 from .config import CGEEConfig, SamplingParams
-from .datasets import Problem, few_shot_messages
+from .datasets import Problem, check_problems, few_shot_messages
 from .verifier import CallableVerifier, CandidateScore, LLMJudgeVerifier, Verifier
 
 AnswerExtractor = Callable[[str], "str | None"]
@@ -124,6 +124,14 @@ class ReasoningResult:
     generate_s: float = 0.0
 
 
+def check_branch_count(name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtractor:
     """A built-in extractor by name (``"gsm8k"``, ``"choice"``) or the callable itself; anything else
     is a clear error."""
@@ -170,18 +178,28 @@ def reason(
 ) -> ReasoningResult:
     """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
 
-    ``cgee=None`` uses the engine's ``EngineConfig.cgee``.
+    ``cgee=None`` uses the engine's ``EngineConfig.cgee``. Every argument is checked before anything
+    is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine untouched.
     """
-    if not isinstance(question, str) or not question.strip():
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a non-empty string, got {type(question).__name__}")
+    if not question.strip():
         raise ValueError("question must be a non-empty string")
+    check_branch_count("n", n)
+    if params is None:
+        params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
+    elif not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    shots = check_problems(few_shot, "few_shot")
+    if shots and prompt is not None:
+        raise ValueError("pass few_shot or prompt, not both (prompt replaces the few-shot prompt)")
     if cgee is None:
         cgee = getattr(getattr(engine, "config", None), "cgee", None) or CGEEConfig()
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
-    params = params or SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
     extract = resolve_extractor(answer_extractor)
     judge = resolve_verifier(engine, verifier)
-    messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
+    messages = prompt if prompt is not None else few_shot_messages(question, shots)
 
     start = time.perf_counter()
     completions = engine.generate_branches(messages, n, params)

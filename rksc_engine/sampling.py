@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingParams
+from .config import SamplingParams, check_branch_seeds
 
 # Tokens examined by the fast top-p path before falling back to a full-vocabulary sort.
 TOP_P_CANDIDATES = 1024
 
 
 def make_generators(seed: int, num_branches: int, device: torch.device) -> list[torch.Generator]:
-    """One generator per branch, branch i seeded ``seed + i``."""
+    """One generator per branch, branch i seeded ``seed + i``.
+
+    Raises:
+        ValueError: a branch's seed is outside ``[0, MAX_BRANCH_SEED]`` (``manual_seed`` would fail
+            with an opaque overflow).
+    """
+    check_branch_seeds(seed, num_branches)
     gens = []
     for i in range(num_branches):
         g = torch.Generator(device=device)
@@ -36,9 +42,11 @@ def _top_p_drop_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Tokens outside each row's nucleus. ``logits``: (B, V), already temperature-scaled.
 
     A token is dropped when the probability mass of the tokens ranked before it already reaches
-    ``top_p``; the top token always stays. The fast path sums the same probabilities in the same
-    order as a full sort, but they are normalised over the vocabulary in its own order, so a token
-    whose preceding mass is within float rounding (~1e-7) of ``top_p`` can land on the other side.
+    ``top_p``; the top token always stays, whatever ``top_p`` (one under float32's smallest positive
+    value, ~1.4e-45, rounds to 0 in the comparison and would otherwise drop every token, leaving a
+    NaN distribution). The fast path sums the same probabilities in the same order as a full sort,
+    but they are normalised over the vocabulary in its own order, so a token whose preceding mass is
+    within float rounding (~1e-7) of ``top_p`` can land on the other side.
     """
     probs = logits.softmax(dim=-1)  # (B, V)
     k = min(TOP_P_CANDIDATES, logits.shape[-1])
@@ -49,8 +57,10 @@ def _top_p_drop_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         sorted_logits, top_index = torch.sort(logits, dim=-1, descending=True)
         top_probs = sorted_logits.softmax(dim=-1)
         mass_before = top_probs.cumsum(dim=-1) - top_probs
+    keep_ranked = mass_before < top_p  # (B, k) or (B, V), in rank order
+    keep_ranked[:, 0] = True
     keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep.scatter_(-1, top_index, mass_before < top_p)
+    keep.scatter_(-1, top_index, keep_ranked)
     return ~keep
 
 

@@ -122,35 +122,56 @@ def shared_prefix_attention(
         ``(output (B, T, H, D), None)``.
     """
     cache = kwargs.get(CACHE_KWARG)
-    if not isinstance(cache, SharedPrefixCache):
+    if not isinstance(cache, (SharedPrefixCache, BatchDecodeCache)):
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the cache passed as the {CACHE_KWARG!r} keyword")
     if attention_mask is not None or dropout or kwargs.get("softcap") is not None \
             or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None \
             or getattr(module, "sinks", None) is not None:
         raise NotImplementedError(f"{ATTENTION_NAME} supports plain causal attention only")
-    layer = cache.layers[module.layer_idx]
     cache.num_attention_calls += 1
+    head_dim = query.shape[-1]
+    scale = head_dim**-0.5 if scaling is None else float(scaling)
+    if isinstance(cache, SharedPrefixCache):
+        layer = cache.layers[module.layer_idx]
+        out = _group_attention(query, layer.prefix_keys, layer.prefix_values, key, value, scale, cache.fused)
+    else:
+        # Several requests in one batch: each request's rows attend to its own prompt and suffixes,
+        # with exactly the operations they would run alone (the batch only widens the linear layers).
+        layer = cache.layers[module.layer_idx]
+        parts = []
+        for (start, stop), group_layer, (keys, values) in zip(cache.row_ranges, layer.group_layers, layer.views):
+            parts.append(_group_attention(query[start:stop], group_layer.prefix_keys, group_layer.prefix_values,
+                                          keys, values, scale, cache.fused))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out, None
+
+
+def _group_attention(
+    query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, scale: float, fused: bool,
+) -> torch.Tensor:
+    """Attention of one request's ``B`` branches: the shared prefix once, each branch's own suffix,
+    merged by log-sum-exp. ``query`` (B, H, T, D); ``prefix_*`` (1, H_kv, P, D); ``key``/``value``
+    (B, H_kv, S, D), the branches' suffixes with the T new tokens last. Returns (B, T, H, D)."""
     batch, num_heads, num_new, head_dim = query.shape
     num_kv_heads, suffix_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads  # GQA: head h reads KV head h // group
-    scale = head_dim**-0.5 if scaling is None else float(scaling)
     # Query rows of one KV head: its group's heads of every branch and new token.
     q = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # (B, H_kv, G*T, D)
 
     # Prefix: every branch's queries against the one stored copy, as one product per KV head.
     q_prefix = q.transpose(0, 1).reshape(1, num_kv_heads, batch * group * num_new, head_dim)  # (1, H_kv, B*G*T, D)
-    fused = _fused_cpu_attention(q_prefix, layer.prefix_keys, layer.prefix_values, scale) if cache.fused else None
-    out_p, lse_p = fused if fused is not None else _partial_attention(
-        q_prefix, layer.prefix_keys, layer.prefix_values, scale
-    )
+    fused_out = _fused_cpu_attention(q_prefix, prefix_keys, prefix_values, scale) if fused else None
+    out_p, lse_p = fused_out if fused_out is not None else _partial_attention(q_prefix, prefix_keys, prefix_values,
+                                                                              scale)
     out_p = out_p.reshape(num_kv_heads, batch, group * num_new, head_dim).transpose(0, 1)  # (B, H_kv, G*T, D)
     lse_p = lse_p.reshape(num_kv_heads, batch, group * num_new).transpose(0, 1)  # (B, H_kv, G*T)
 
     # Suffix: each branch against its own tokens; new token i sees suffix positions <= S - T + i.
     # One new token sees the whole suffix, so the fused kernel needs no mask (the decode case).
-    fused = _fused_cpu_attention(q, key, value, scale) if cache.fused and num_new == 1 else None
-    if fused is not None:
-        out_s, lse_s = fused
+    fused_out = _fused_cpu_attention(q, key, value, scale) if fused and num_new == 1 else None
+    if fused_out is not None:
+        out_s, lse_s = fused_out
     else:
         mask = None
         if num_new > 1:
@@ -166,7 +187,7 @@ def shared_prefix_attention(
     suffix_share = torch.sigmoid(lse_s - lse_p)[..., None]
     out = torch.lerp(out_p, out_s, suffix_share)
     out = out.reshape(batch, num_heads, num_new, head_dim).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
@@ -325,6 +346,97 @@ class SharedPrefixCache(Cache):
             values = torch.cat((layer.prefix_values[0], layer.values[row, :, :s]), dim=1)
             per_layer.append(torch.stack((keys, values)))
         return torch.stack(per_layer)
+
+
+class BatchDecodeLayer(CacheLayerMixin):
+    """One layer of a ``BatchDecodeCache``: routes each request's rows to that request's own layer."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, group_layers: list[SharedPrefixLayer], row_ranges: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.group_layers = group_layers
+        self.row_ranges = row_ranges
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group, its suffixes after the update
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each request's rows of the new KV (B, H_kv, T, D) into its own layer; the attention
+        function reads the per-request suffixes from ``views``, so the new KV itself is returned."""
+        self.views = [
+            layer.update(key_states[start:stop], value_states[start:stop])
+            for layer, (start, stop) in zip(self.group_layers, self.row_ranges)
+        ]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        # The sum over requests: every request grows by the same T per forward, so a pass that fails
+        # half-way shows up here as ``T * num_groups`` and ``crop`` can undo it.
+        return sum(layer.num_suffix_tokens for layer in self.group_layers)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Undo the last ``-tokens_to_remove // num_groups`` positions of every request (OOM roll-back)."""
+        if tokens_to_remove > 0 or -tokens_to_remove % len(self.group_layers):
+            raise ValueError(f"cannot crop {tokens_to_remove} tokens evenly from {len(self.group_layers)} requests")
+        for layer in self.group_layers:
+            layer.crop(tokens_to_remove // len(self.group_layers))
+
+    def reset(self) -> None:
+        for layer in self.group_layers:
+            layer.reset()
+
+
+class BatchDecodeCache(Cache):
+    """The rows of several requests decoding in one forward, each request with its own
+    ``SharedPrefixCache`` (its prompt once, its branches' suffixes).
+
+    Rows ``row_ranges[i]`` of the batch belong to ``caches[i]``. Built afresh for each decode step by
+    the scheduler (it only references the requests' caches; nothing is copied). Positions differ from
+    request to request, so the forward must be given ``position_ids`` (see ``position_ids``).
+
+    Args:
+        caches: One per request, in batch order.
+        fused: Use PyTorch's fused CPU attention kernel where available.
+    """
+
+    def __init__(self, caches: list[SharedPrefixCache], fused: bool = True) -> None:
+        if not caches:
+            raise ValueError("a batch needs at least one request")
+        self.caches = caches
+        self.row_ranges: list[tuple[int, int]] = []
+        start = 0
+        for cache in caches:
+            rows = cache.layers[0].keys.shape[0]
+            self.row_ranges.append((start, start + rows))
+            start += rows
+        self.num_rows = start
+        layers = [BatchDecodeLayer([c.layers[i] for c in caches], self.row_ranges) for i in range(len(caches[0].layers))]
+        super().__init__(layers=layers)
+        self.fused = fused
+        self.num_attention_calls = 0
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        """(B, 1) absolute position of each row's next token."""
+        positions = []
+        for cache, (start, stop) in zip(self.caches, self.row_ranges):
+            positions += [cache.layers[0].get_seq_length()] * (stop - start)
+        return torch.tensor(positions, device=device)[:, None]
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        return {CACHE_KWARG: self}
 
 
 @contextlib.contextmanager

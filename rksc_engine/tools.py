@@ -21,13 +21,13 @@ Constrained decoding. ``ConstrainedDecoder`` writes every structural token itsel
 quotes, commas) and asks the model only for each value, one short engine call per value; the value is
 then coerced to its schema type (an integer field gets an integer, an enum a member), so the output is
 valid JSON of the schema's shape whatever the model writes. Each value call also runs under a
-token-level mask (``masked_logits``): temporary hooks on the model (its forward and its LM head) set
-the logits of tokens that cannot continue a value of that type to -inf (an integer takes digits, an
-enum follows a prefix trie of its members, a boolean is ``true``/``false``, an array goes on with
-``,`` or ends with ``]``), so the model chooses among valid continuations by its own probabilities
-instead of having its free text repaired afterwards. String values are not masked (any text is a
-valid string; the closing quote ends them). The hooks leave the engine's decode loop alone; a masked
-call holds the engine lock and decodes one branch, and its logprobs are over the masked distribution.
+token-level mask (``constraint_processor``, a logits processor the scheduler applies to that
+request's rows only, so requests batched beside it are untouched) that sets the logits of tokens that
+cannot continue a value of that type to -inf (an integer takes digits, an enum follows a prefix trie
+of its members, a boolean is ``true``/``false``, an array goes on with ``,`` or ends with ``]``), so
+the model chooses among valid continuations by its own probabilities instead of having its free text
+repaired afterwards. String values are not masked (any text is a valid string; the closing quote ends
+them). A masked call's logprobs are over the masked distribution.
 Every value call re-sends the prompt plus the scaffold so far; the prefix cache serves all but the
 newest tokens.
 """
@@ -41,8 +41,7 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -231,7 +230,7 @@ def offer_tools(
 def encode_with_tools(engine: Any, messages: Sequence[dict[str, Any]], request: ToolRequest | None) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template, tools offered per ``offer_tools``."""
     rendered, template_kwargs = offer_tools(messages, request, engine.tokenizer)
-    return engine._encode_chat(rendered, **template_kwargs)
+    return engine.encode_chat(rendered, **template_kwargs)
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -336,7 +335,7 @@ def vocabulary(engine: Any) -> TokenVocabulary:
     vocab = _vocabularies.get(tokenizer)
     num_logits = engine.model.get_output_embeddings().weight.shape[0]
     if vocab is None or vocab.num_logits != num_logits:
-        vocab = TokenVocabulary(tokenizer, num_logits, sorted(engine._eos_ids))
+        vocab = TokenVocabulary(tokenizer, num_logits, sorted(engine.eos_token_ids))
         _vocabularies[tokenizer] = vocab
     return vocab
 
@@ -410,76 +409,35 @@ def number_constraint(vocab: TokenVocabulary) -> PatternConstraint:
     )
 
 
-@contextmanager
-def masked_logits(
-    engine: Any, constraint: TokenConstraint | None, prompt_len: int, timing: dict[str, float] | None = None
-) -> Iterator[None]:
-    """While active, the logits ``engine.model`` produces for the next token after a ``prompt_len``
-    prompt are masked by ``constraint``.
+def constraint_processor(
+    engine: Any, constraint: TokenConstraint, timing: dict[str, float] | None = None
+) -> Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]:
+    """A per-request logits processor (``engine.submit(..., logits_processor=...)``) that sets the
+    logits of tokens ``constraint`` does not allow after each row's text so far to -inf.
 
-    Two temporary hooks, removed on exit even after an error. A pre-hook on the model's forward
-    reads where each pass starts (the length of the cache it is given) and the tokens it feeds, so
-    the tokens at positions ``>= prompt_len`` are the generated ones, however the prefill is split
-    (prefix-cache hits, ASKS spans). A hook on the LM head then sets the disallowed logits to -inf
-    for passes that reach the end of the prompt; the logits of passes that end inside the prompt are
-    left alone. The caller holds the engine lock and generates one branch. ``timing["mask_s"]``, when
-    given, accumulates the seconds spent in the hooks (the mask's own overhead).
+    It runs inside the scheduler's step for this request's rows only, so other requests batched
+    with it are untouched. ``timing["mask_s"]``, when given, accumulates the seconds it takes.
     """
-    if constraint is None:
-        yield
-        return
-    model, tokenizer = engine.model, engine.tokenizer
-    generated: dict[int, int] = {}  # position - prompt_len -> token id
-    current: dict[str, int] = {}  # the pass in flight: its first position and length
+    tokenizer = engine.tokenizer
 
-    def on_forward(_module: Any, args: tuple, kwargs: dict) -> None:
+    def process(token_ids: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
+        # logits: (rows, V); it may be a broadcast view of the prefill's logits, so never write in place.
         started = time.perf_counter()
         try:
-            _record(args, kwargs)
+            rows = []
+            for row, ids in enumerate(token_ids):
+                allowed = constraint.allowed(tokenizer.decode(list(ids), skip_special_tokens=True))
+                if allowed is None:
+                    rows.append(logits[row])
+                else:
+                    blocked = ~allowed.to(logits.device)[: logits.shape[-1]]
+                    rows.append(logits[row].masked_fill(blocked, float("-inf")))
+            return torch.stack(rows)
         finally:
             if timing is not None:
                 timing["mask_s"] = timing.get("mask_s", 0.0) + time.perf_counter() - started
 
-    def _record(args: tuple, kwargs: dict) -> None:
-        token_ids = kwargs.get("input_ids", args[0] if args else None)  # (B, T)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if token_ids is None or token_ids.shape[0] != 1:
-            current.clear()  # not a single-branch token pass: nothing to mask
-            return
-        start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
-        for offset, token in enumerate(token_ids[0].tolist()):
-            if start + offset >= prompt_len:
-                generated[start + offset - prompt_len] = token
-        current.update(start=start, length=token_ids.shape[1])
-
-    def on_logits(_module: Any, _args: tuple, logits: torch.Tensor) -> torch.Tensor | None:
-        started = time.perf_counter()
-        try:
-            return _mask(logits)
-        finally:
-            if timing is not None:
-                timing["mask_s"] = timing.get("mask_s", 0.0) + time.perf_counter() - started
-
-    def _mask(logits: torch.Tensor) -> torch.Tensor | None:
-        if not current or current["start"] + current["length"] < prompt_len:
-            return None  # a pass that ends inside the prompt, or one not from a model forward
-        steps = current["start"] + current["length"] - prompt_len  # tokens generated before this one
-        allowed = constraint.allowed(tokenizer.decode([generated[i] for i in range(steps)], skip_special_tokens=True))
-        if allowed is None:
-            return None
-        blocked = ~allowed.to(logits.device)[: logits.shape[-1]]
-        return logits.masked_fill(blocked, float("-inf"))  # (B, T, V); only the last position is sampled
-
-    handles = [
-        model.register_forward_pre_hook(on_forward, with_kwargs=True),
-        model.register_forward_hook(lambda *_: current.clear()),
-        model.get_output_embeddings().register_forward_hook(on_logits),
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return process
 
 
 # -- constrained decoding -----------------------------------------------------------------------
@@ -520,10 +478,10 @@ class ConstrainedDecoder:
             seed=self._params.seed, stop=tuple(stop),
         )
         prompt_ids = self._prompt_ids + list(suffix)
-        with self._engine._lock, masked_logits(
-            self._engine, constraint if self._vocab is not None else None, len(prompt_ids), self.timing
-        ):
-            completion = self._engine.generate(prompt_ids, params)
+        processor = None
+        if constraint is not None and self._vocab is not None:
+            processor = constraint_processor(self._engine, constraint, self.timing)
+        completion = self._engine.submit(prompt_ids, 1, params, logits_processor=processor).result()[0]
         if self.first is None:
             self.first = completion
         self.output_tokens += completion.num_generated_tokens

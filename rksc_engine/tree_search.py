@@ -34,9 +34,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .cgee import CGEEConfig
-from .config import SamplingParams
-from .datasets import Problem, few_shot_messages
+from .config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
+from .datasets import Problem, check_problems, few_shot_messages
 from .reasoning import resolve_extractor, resolve_verifier
+from .types import Completion
 from .verifier import Verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
@@ -163,6 +164,7 @@ def tree_search(
     demote_pruned: bool = True,
     cgee: CGEEConfig | None = None,
     progress: bool = False,
+    expand_together: bool = True,
 ) -> SearchResult:
     """Beam search over reasoning steps; see ``RKSCEngine.tree_search``.
 
@@ -186,6 +188,8 @@ def tree_search(
         demote_pruned: Annotate the cached KV of branches the beam dropped with score 0. Default True.
         cgee: Passed to a ``Verifier`` scorer. Default ``CGEEConfig()``.
         progress: Show a progress bar over levels.
+        expand_together: Submit all expansions of a level at once, so the scheduler decodes them in
+            one batch (default). False expands one node per call; the tree is the same either way.
 
     Returns:
         A ``SearchResult``.
@@ -196,7 +200,9 @@ def tree_search(
         >>> result.answer, result.best_score
         >>> print(result.format_tree())
     """
-    if not isinstance(question, str) or not question.strip():
+    if not isinstance(question, str):
+        raise TypeError(f"question must be a non-empty string, got {type(question).__name__}")
+    if not question.strip():
         raise ValueError("question must be a non-empty string")
     _check_positive_int("breadth", breadth)
     _check_positive_int("depth", depth)
@@ -208,21 +214,37 @@ def tree_search(
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if breadth > 1 and params.greedy:
-        raise ValueError("breadth > 1 needs params.temperature > 0: greedy siblings would all be the same step")
+        raise ValueError(f"breadth > 1 needs sampling (params.temperature > 0, at least {MIN_SAMPLING_TEMPERATURE}, "
+                         f"and params.top_p >= {MIN_TOP_P}): greedy siblings would all be the same step")
+    # Node i's children are seeded from seed + i * breadth, and fewer than depth * beam * breadth
+    # nodes are ever expanded: every such seed must still be a valid SamplingParams.seed.
+    if params.seed is not None and params.seed + depth * beam * breadth * breadth > MAX_SEED:
+        raise ValueError(f"params.seed + depth * beam * breadth**2 must be <= {MAX_SEED} (MAX_SEED; node i's "
+                         f"children are seeded seed + i * breadth), got seed={params.seed}")
+    shots = check_problems(few_shot, "few_shot")
+    if shots and prompt is not None:
+        raise ValueError("pass few_shot or prompt, not both (prompt replaces the few-shot prompt)")
     extract = resolve_extractor(answer_extractor)
     if final_marker is not None and (not isinstance(final_marker, str) or not final_marker):
         raise ValueError("final_marker must be a non-empty string or None")
+    for name, flag in (("demote_pruned", demote_pruned), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     cgee = CGEEConfig() if cgee is None else cgee
+    if not isinstance(cgee, CGEEConfig):
+        raise TypeError(f"cgee must be a CGEEConfig or None, got {type(cgee).__name__}")
     judge = _resolve_scorer(engine, scorer)
-    messages = prompt if prompt is not None else few_shot_messages(question, list(few_shot))
+    messages = prompt if prompt is not None else few_shot_messages(question, shots)
     root_ids = engine.encode(messages)
-    engine._check_request(root_ids, breadth, params)
+    engine.validate_request(root_ids, breadth, params)
 
+    if not isinstance(expand_together, bool):
+        raise TypeError(f"expand_together must be a bool, got {type(expand_together).__name__}")
     search = _Search(engine, question, root_ids, breadth, beam, step_delimiter, judge, params, final_marker,
                      demote_pruned, cgee)
+    search.concurrent = expand_together
     start = time.perf_counter()
-    with engine._lock:  # one search at a time, so its stats and cache state are its own
-        search.run(depth, progress)
+    search.run(depth, progress)
     wall_s = time.perf_counter() - start
     best = search.best()
     best_path = search.path(best.index)
@@ -240,6 +262,7 @@ class _Search:
         self.engine, self.question, self.breadth, self.beam = engine, question, breadth, beam
         self.delimiter, self.judge, self.final_marker = delimiter, judge, final_marker
         self.demote_pruned, self.cgee = demote_pruned, cgee
+        self.concurrent = True
         self.base_seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         self.params = replace(params, stop=tuple(dict.fromkeys((delimiter, *params.stop))))
         self.root_len = len(root_ids)
@@ -254,7 +277,7 @@ class _Search:
 
     def run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
-            children = [c for v in self.frontier for c in self._expand(v)]
+            children = self._expand_level(self.frontier)
             if not children:
                 break
             self._score(children)
@@ -268,14 +291,32 @@ class _Search:
             if not self.frontier:
                 break
 
-    def _expand(self, index: int) -> list[int]:
+    def _expand_level(self, frontier: list[int]) -> list[int]:
+        """Expand every frontier node; all their requests are submitted before any is waited on, so
+        the scheduler decodes the whole level in one batch. Node ``i``'s children draw from seeds
+        ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching."""
+        handles = {}
+        for index in frontier:
+            ids = self.path_ids[index]
+            if len(ids) >= self.engine.context_window - 1:
+                continue
+            params = replace(self.params, seed=self.base_seed + index * self.breadth)
+            handles[index] = self.engine.submit(ids, self.breadth, params)
+            if not self.concurrent:
+                handles[index] = handles[index].result()
+        children = []
+        for index in frontier:
+            if index not in handles:
+                node = self.nodes[index]
+                node.is_final, node.finish_reason = True, "length"
+                self.finished.append(index)
+                continue
+            done = handles[index]
+            children += self._add_children(index, done if isinstance(done, list) else done.result())
+        return children
+
+    def _add_children(self, index: int, completions: list[Completion]) -> list[int]:
         node, ids = self.nodes[index], self.path_ids[index]
-        if len(ids) >= self.engine.context_window - 1:
-            node.is_final, node.finish_reason = True, "length"
-            self.finished.append(index)
-            return []
-        params = replace(self.params, seed=self.base_seed + index * self.breadth)
-        completions = self.engine.generate_branches(ids, self.breadth, params)
         self.num_expansions += 1
         self.cache_bytes_trace.append(self.engine.prefix_cache.total_bytes)
         node.status = "expanded"
@@ -284,7 +325,7 @@ class _Search:
         tokenizer = self.engine.tokenizer
         out = []
         for completion in completions:
-            step_ids = [t for t in completion.token_ids if t not in self.engine._eos_ids]
+            step_ids = [t for t in completion.token_ids if t not in self.engine.eos_token_ids]
             raw = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             ended_by_other_stop = completion.finish_reason == "stop" and self.delimiter not in raw
             is_final = (completion.finish_reason == "eos" or ended_by_other_stop

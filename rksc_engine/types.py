@@ -92,11 +92,19 @@ class Completion:
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """A piece of streamed text; the last chunk of a stream carries the finished ``Completion``."""
+    """A piece of streamed text; the last chunk of a branch carries its finished ``Completion``.
+
+    Attributes:
+        text: New text since the previous chunk of the same branch.
+        token_ids: The tokens generated since that chunk.
+        completion: Set on the branch's last chunk.
+        branch_index: Which branch of the request this chunk belongs to.
+    """
 
     text: str
     token_ids: tuple[int, ...] = ()
     completion: Completion | None = None
+    branch_index: int = 0
 
     @property
     def is_last(self) -> bool:

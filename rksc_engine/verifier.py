@@ -187,11 +187,11 @@ class LLMJudgeVerifier:
         engine = self.engine
         all_ids = [self.prompt_ids(question, c) for c in candidates]
         shared = _common_prefix(all_ids)
-        with engine._lock:
+        with engine.exclusive():  # the warm-up and the judge pass run between two scheduler steps
             prefill_start = time.perf_counter()
             prefilled = len(candidates) > 1 and len(shared) > 1 and not self._is_cached(shared)
             if prefilled:
-                engine._prefill(shared)  # a full pass: its KV goes into the prefix cache for every candidate
+                engine.warm_cache(shared)  # a full pass: its KV goes into the prefix cache for every candidate
             prefill_s = time.perf_counter() - prefill_start if prefilled else 0.0
             label_logits, trace = self._judge_batch(all_ids, shared, cgee)
         trace.prefill_s = prefill_s
@@ -206,8 +206,7 @@ class LLMJudgeVerifier:
         return self._cost.estimate(num_candidates)
 
     def _is_cached(self, ids: list[int]) -> bool:
-        cache = self.engine.prefix_cache
-        return self.engine._cacheable and cache.match_prefix(ids).num_tokens >= len(ids) - 1
+        return self.engine.cached_prefix_length(ids) >= len(ids) - 1
 
     @torch.inference_mode()
     def _judge_batch(self, all_ids: list[list[int]], shared: list[int], cgee: CGEEConfig) -> tuple[torch.Tensor, PassTrace]:
@@ -227,7 +226,14 @@ class LLMJudgeVerifier:
         lens: list[torch.Tensor] = []
         # Every row must keep at least one token of its own to compute.
         limit = min(len(shared), min(len(ids) for ids in all_ids) - 1)
-        cache, matched, node = engine._cache_for_prefix(shared[: limit + 1])
+        with engine.cached_prefix(shared[: limit + 1]) as prefix:
+            return self._judge_rows(prefix, all_ids, cgee, layers, norm, label_rows, trace, state, lens)
+
+    def _judge_rows(self, prefix: Any, all_ids: list[list[int]], cgee: CGEEConfig, layers: Any, norm: Any,
+                    label_rows: torch.Tensor, trace: PassTrace, state: dict[str, Any], lens: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, PassTrace]:
+        engine = self.engine
+        cache, matched = prefix.cache, prefix.num_tokens
         tails = [ids[matched:] for ids in all_ids]
         width = max(len(t) for t in tails)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
@@ -266,8 +272,7 @@ class LLMJudgeVerifier:
             try:
                 # Run the decoder body only and project just the label rows at the scored positions:
                 # the full-vocabulary head over every padded position would cost ~30% of the pass.
-                body = engine.model.get_decoder()
-                hidden = body(input_ids=input_ids, use_cache=True, **{engine._cache_kwarg: cache}).last_hidden_state
+                hidden = prefix.run_decoder(input_ids)
                 trace.exit_layer = len(layers) - 1
                 if self.record_lens:
                     trace.lens_logits = torch.stack(lens)  # (L, B, 2)
@@ -280,10 +285,8 @@ class LLMJudgeVerifier:
             # only ever holds KV from complete passes.
             for handle in handles:
                 handle.remove()
-            if node is not None:
-                engine.prefix_cache.unlock(node)
-            engine._stats.prompt_tokens_computed += sum(len(t) for t in tails)
-            engine._stats.prompt_tokens_reused += matched * len(tails)
+            prefix.computed_tokens += sum(len(t) for t in tails)
+            prefix.reused_tokens += matched * len(tails)
 
 
 def _common_prefix(sequences: list[list[int]]) -> list[int]:

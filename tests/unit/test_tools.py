@@ -154,7 +154,7 @@ def test_the_mask_makes_the_model_itself_write_digits_where_unmasked_only_the_de
     assert masked.first.text.isdigit()  # its own digits, cut where it chose an end token
 
 
-def test_masked_calls_leave_no_hook_behind_even_after_an_error_and_generation_stays_exact(tiny_engine):
+def test_a_failing_mask_fails_only_its_request_and_generation_stays_exact(tiny_engine):
     prompt = prompt_ids(tiny_engine, "hello")
     reference = tiny_engine.generate(prompt, GREEDY).token_ids
 
@@ -163,8 +163,8 @@ def test_masked_calls_leave_no_hook_behind_even_after_an_error_and_generation_st
             raise RuntimeError("constraint failed")
 
     with pytest.raises(RuntimeError, match="constraint failed"):
-        with tiny_engine._lock, T.masked_logits(tiny_engine, Exploding(), len(prompt)):
-            tiny_engine.generate(prompt, GREEDY)
+        processor = T.constraint_processor(tiny_engine, Exploding())
+        tiny_engine.submit(prompt, 1, GREEDY, logits_processor=processor).result()
     T.decode_tool_call(tiny_engine, prompt, GREEDY, T.ToolRequest.build([PICK], "any"))
     assert no_hooks_left(tiny_engine.model)
     assert tiny_engine.generate(prompt, GREEDY).token_ids == reference

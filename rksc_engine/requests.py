@@ -1,0 +1,233 @@
+"""The public request API: what ``engine.submit`` returns, and how its output reaches the caller.
+
+A submitted request is owned by the scheduler (``rksc_engine.scheduler``); the caller holds a
+``RequestHandle``. The two meet only in a ``RequestChannel``: the scheduler pushes chunks and the
+final completions into it, consumers take them out. No engine lock is ever held while a consumer
+reads, so a handle can be iterated, awaited, closed or dropped from any thread or event loop.
+
+Promises:
+    * ``cancel()`` (also on ``close()``, on leaving a ``with`` block, and when an unfinished handle is
+      garbage-collected) only sets a flag and wakes the scheduler; the scheduler drops the request's
+      rows at its next step and frees its KV. It never blocks and never raises.
+    * A handle's chunks arrive in order; the last chunk of each branch carries its ``Completion``.
+    * ``result()`` returns the completions in branch order, or raises the error that failed the request
+      (bad input is rejected by ``submit`` itself, before anything is queued).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .types import Completion, StreamChunk
+
+# A per-request logits processor: given each active branch's generated token ids so far (rows in
+# the order of ``logits``) and the next-token logits of those rows, (B, V), return the logits to
+# sample from (same shape). It runs inside the scheduler's step, for this request's rows only.
+LogitsProcessor = Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]
+
+
+class RequestCancelled(RuntimeError):
+    """The request was cancelled before it finished, so it has no result."""
+
+
+class RequestChannel:
+    """The scheduler-to-consumer queue of one request (thread-safe, asyncio-aware)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._chunks: collections.deque[StreamChunk] = collections.deque()
+        self._completions: list[Completion] | None = None
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.cancelled = threading.Event()
+
+    # -- producer side (the scheduler) ----------------------------------------------------------
+    def push(self, chunk: StreamChunk) -> None:
+        with self._cond:
+            self._chunks.append(chunk)
+            self._notify()
+
+    def finish(self, completions: list[Completion]) -> None:
+        with self._cond:
+            self._completions = completions
+            self._notify()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._completions is None and self._error is None:
+                self._error = error
+            self._notify()
+
+    def _notify(self) -> None:
+        self._cond.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    # -- consumer side --------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._completions is not None or self._error is not None
+
+    def take(self) -> tuple[StreamChunk | None, bool]:
+        """The next chunk if one is queued, and whether the request has ended (nothing more will come)."""
+        with self._cond:
+            if self._chunks:
+                return self._chunks.popleft(), False
+            return None, self.finished
+
+    def wait(self, timeout: float | None) -> None:
+        with self._cond:
+            if not self._chunks and not self.finished:
+                self._cond.wait(timeout)
+
+    def async_waiter(self) -> asyncio.Future:
+        """A future that resolves at the next push, finish or failure (at once if one is pending)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if self._chunks or self.finished:
+                future.set_result(None)
+            else:
+                self._waiters.append((loop, future))
+        return future
+
+    def outcome(self) -> list[Completion]:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            assert self._completions is not None
+            return self._completions
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class RequestHandle:
+    """A submitted request: iterate its chunks, wait for its completions, or cancel it.
+
+    Use it any of these ways::
+
+        handle = engine.submit(prompt, n=4, params=params)
+        completions = handle.result()          # block until all branches finish
+        for chunk in handle: ...               # StreamChunk per step and branch (submit(stream=True))
+        completions = await handle             # from asyncio
+        async for chunk in handle: ...
+        handle.cancel()                        # from any thread; frees the request's KV at the next step
+
+    Attributes:
+        request_id: Unique within the engine.
+        num_prompt_tokens: Tokens of the encoded prompt.
+        n: Branches requested.
+    """
+
+    def __init__(self, request_id: int, num_prompt_tokens: int, n: int, channel: RequestChannel,
+                 scheduler: Any) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self._channel = channel
+        # ``scheduler.wait_for(channel, timeout)`` waits for progress (running a step itself when the
+        # caller holds the engine); ``scheduler.wake()`` tells it a request changed.
+        self._scheduler = scheduler
+
+    # -- state ----------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the request has finished, failed or been cancelled (and the scheduler knows)."""
+        return self._channel.finished
+
+    def cancel(self) -> None:
+        """Stop the request; its rows leave the batch and its KV is freed at the scheduler's next step."""
+        if not self._channel.cancelled.is_set():
+            self._channel.cancelled.set()
+            self._scheduler.wake()
+
+    close = cancel
+
+    @property
+    def cancelled(self) -> bool:
+        return self._channel.cancelled.is_set()
+
+    # -- blocking consumers ---------------------------------------------------------------------
+    def result(self, timeout: float | None = None) -> list[Completion]:
+        """The completions in branch order, once every branch has finished.
+
+        Raises:
+            RequestCancelled: the request was cancelled first.
+            TimeoutError: ``timeout`` seconds passed first (the request goes on).
+            Exception: whatever failed the request (out of memory after retries, ...).
+        """
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._channel.finished:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            self._scheduler.wait_for(self._channel, remaining)
+        return self._channel.outcome()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        """Chunks as they are produced; the last chunk of each branch carries its ``Completion``.
+        Raises the request's error, if it failed, after the chunks that came before it."""
+        while True:
+            chunk, ended = self._channel.take()
+            if chunk is not None:
+                yield chunk
+            elif ended:
+                self._channel.outcome()  # raises the error of a failed or cancelled request
+                return
+            else:
+                self._scheduler.wait_for(self._channel, None)
+
+    # -- asyncio consumers ----------------------------------------------------------------------
+    def __await__(self):
+        return self._async_result().__await__()
+
+    async def _async_result(self) -> list[Completion]:
+        try:
+            while not self._channel.finished:
+                await self._channel.async_waiter()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        return self._channel.outcome()
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        try:
+            while True:
+                chunk, ended = self._channel.take()
+                if chunk is not None:
+                    yield chunk
+                elif ended:
+                    self._channel.outcome()
+                    return
+                else:
+                    await self._channel.async_waiter()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancel()
+            raise
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.done():
+            self.cancel()
+
+    def __del__(self) -> None:
+        # A handle nobody can reach any more cannot deliver its output: free the request's KV.
+        try:
+            if not self._channel.finished:
+                self._channel.cancelled.set()
+        except Exception:
+            pass

@@ -1,0 +1,395 @@
+"""The scheduler: one step loop that serves every request of an engine.
+
+Requests arrive through ``RKSCEngine.submit`` from any thread or event loop and wait in a FIFO queue.
+Each step, under the engine lock:
+
+1. **Reap**: requests cancelled by their caller leave the batch; their KV is released.
+2. **Admit**: waiting requests are prefilled (through the radix prefix cache, one prefill per prompt
+   however many branches it asks for) while the batch has rows left (``scheduler.max_batch_rows``)
+   and the step's prefill budget (``scheduler.max_prefill_tokens``) is not spent; the first request
+   of a step is always admitted, so a prompt longer than the budget still runs.
+3. **Decode**: every running row of every request advances one token in **one forward**. Each
+   request keeps its own ``SharedPrefixCache`` (its prompt once, its branches' suffixes); the forward
+   sees them together as a ``BatchDecodeCache``, whose attention runs each request's rows over its
+   own KV with the operations they would run alone, so batching only widens the linear layers.
+4. **Retire**: finished branches leave the batch; finished requests get their ``Completion``s, and a
+   single-branch request's generated KV goes into the prefix cache for the next turn of a chat.
+
+Output reaches callers through each request's ``RequestChannel``: a consumer never holds the engine
+lock, so a stream read in one thread, closed in another, dropped, or stalled never blocks the loop.
+
+The loop runs on a daemon thread started at the first submit, which exits after a short idle spell
+(so an engine nobody uses can be garbage-collected). A caller that holds the engine lock itself
+(``with engine.exclusive():``) drives the steps from its own thread instead, so nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import SamplingParams
+from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
+from .sampling import choose_next_tokens, make_generators
+from .shared_prefix import (
+    ATTENTION_NAME,
+    BatchDecodeCache,
+    SharedPrefixCache,
+    attention_implementation,
+    initial_suffix_capacity,
+)
+from .types import ASKSDecision, Completion, StreamChunk
+
+if TYPE_CHECKING:
+    from .engine import RKSCEngine
+
+logger = logging.getLogger(__name__)
+
+# Seconds the loop thread waits for work before it exits (a new submit starts it again).
+IDLE_EXIT_S = 1.0
+
+
+@dataclass
+class _Branch:
+    """Mutable decoding state of one branch."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
+    pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request as the scheduler advances it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    n: int
+    params: SamplingParams
+    channel: RequestChannel
+    stream: bool
+    logits_processor: LogitsProcessor | None
+    seed: int
+    # Set at admission:
+    branches: list[_Branch] = field(default_factory=list)
+    active: list[int] = field(default_factory=list)  # active[row] = branch index of that batch row
+    generators: list[torch.Generator] = field(default_factory=list)
+    cache: Any = None  # SharedPrefixCache (batched with others) or a transformers DynamicCache (alone)
+    next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
+    max_new: int = 0
+    num_cached_tokens: int = 0
+    exact: bool = True
+    asks: ASKSDecision | None = None
+
+    @property
+    def shared(self) -> bool:
+        return isinstance(self.cache, SharedPrefixCache)
+
+
+class Scheduler:
+    """Continuous batching over one engine's model and prefix cache (see the module docstring)."""
+
+    def __init__(self, engine: RKSCEngine) -> None:
+        self._engine = engine
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._stepping = False
+        self.num_steps = 0
+        self.peak_batch_rows = 0
+
+    # -- submission -----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
+               logits_processor: LogitsProcessor | None) -> RequestHandle:
+        """Queue a validated request; returns its handle at once."""
+        seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
+        channel = RequestChannel()
+        request = _Request(next(self._ids), list(prompt_ids), n, params, channel, stream, logits_processor, seed)
+        with self._cv:
+            self._waiting.append(request)
+            self._ensure_thread()
+            self._cv.notify_all()
+        return RequestHandle(request.request_id, len(prompt_ids), n, channel, self)
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
+        """Block until ``channel`` has news. A caller holding the engine lock steps the loop itself
+        (the loop thread cannot get the lock until it lets go)."""
+        lock = self._engine._lock
+        if lock._is_owned():
+            if self._stepping:
+                raise RuntimeError("an engine call cannot be made from inside a running step "
+                                   "(for example from a logits processor)")
+            self.step()
+            return
+        with self._cv:
+            self._ensure_thread()
+        channel.wait(timeout if timeout is not None else 0.5)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running_rows(self) -> int:
+        return sum(len(r.active) for r in self._running)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        # Called with self._cv held.
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="rksc-scheduler", daemon=True)
+            self._thread.start()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._has_work():
+                    self._cv.wait(IDLE_EXIT_S)
+                    if not self._has_work():
+                        self._thread = None
+                        return
+            with self._engine._lock:
+                if self._has_work():
+                    self.step()
+
+    def step(self) -> None:
+        """One scheduling step (the caller holds the engine lock)."""
+        self._stepping = True
+        try:
+            self._reap_cancelled()
+            self._admit()
+            if self._running:
+                self._decode()
+            self.num_steps += 1
+        except Exception as error:  # a bug or an unrecoverable fault: fail what is running, stay usable
+            logger.exception("scheduler step failed; failing the %d running requests", len(self._running))
+            for request in self._running:
+                request.cache = None
+                request.channel.fail(error)
+            self._running = []
+        finally:
+            self._stepping = False
+
+    def _reap_cancelled(self) -> None:
+        with self._cv:
+            waiting = [r for r in self._waiting if r.channel.cancelled.is_set()]
+            for request in waiting:
+                self._waiting.remove(request)
+        for request in waiting:
+            request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
+        kept = []
+        for request in self._running:
+            if request.channel.cancelled.is_set():
+                request.cache = None  # its KV goes with it
+                request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
+            else:
+                kept.append(request)
+        self._running = kept
+
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        config = self._engine.config.scheduler
+        prefill_tokens = 0
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return
+                request = self._waiting[0]
+                rows = self.num_running_rows
+                if self._running and rows + request.n > config.max_batch_rows:
+                    return
+                if prefill_tokens and prefill_tokens + len(request.prompt_ids) > config.max_prefill_tokens:
+                    return
+                self._waiting.popleft()
+            prefill_tokens += len(request.prompt_ids)
+            try:
+                self._start(request)
+            except Exception as error:  # this request fails; the others go on
+                request.cache = None
+                request.channel.fail(error)
+
+    @torch.inference_mode()
+    def _start(self, request: _Request) -> None:
+        """Prefill the prompt once, fan it out to the ``n`` branches, and take their first tokens."""
+        engine = self._engine
+        shared_prefix = engine._use_shared_prefix()
+        engine._stats.requests += 1
+        prefilled = engine._prefill(request.prompt_ids)
+        request.num_cached_tokens = prefilled.num_cached_tokens
+        request.exact, request.asks = prefilled.exact, prefilled.asks
+        request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
+        request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, shared_prefix)
+        request.branches = [_Branch(i) for i in range(request.n)]
+        request.active = list(range(request.n))
+        if not request.params.greedy:
+            request.generators = make_generators(request.seed, request.n, engine.device)
+        logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
+        if self._advance(request, logits):
+            self._running.append(request)
+        self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
+
+    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool) -> Any:
+        """The cache ``n`` branches decode with: one copy of the prompt's KV with a preallocated suffix
+        per branch (``SharedPrefixCache``), or the plain ``DynamicCache`` with its row repeated."""
+        if shared_prefix and SharedPrefixCache.can_share(cache):
+            return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=initial_suffix_capacity(max_new))
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        return cache
+
+    # -- decoding -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        engine = self._engine
+        batched = [r for r in self._running if r.shared]
+        alone = [r for r in self._running if not r.shared]
+        still_running: list[_Request] = []
+        if batched:
+            cache = BatchDecodeCache([r.cache for r in batched])
+            input_ids = torch.cat([r.next_tokens for r in batched])[:, None]  # (B, 1)
+            try:
+                with attention_implementation(engine.model, ATTENTION_NAME):
+                    out = engine._forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
+                                          **cache.forward_kwargs())
+            except Exception as error:
+                for request in batched:
+                    request.cache = None
+                    request.channel.fail(error)
+            else:
+                logits = out.logits[:, -1, :]  # (B, V)
+                for request, (start, stop) in zip(batched, cache.row_ranges):
+                    if self._advance(request, logits[start:stop]):
+                        still_running.append(request)
+        for request in alone:  # a model the shared-prefix path does not support: one forward each
+            try:
+                out = engine._forward(request.next_tokens[:, None], request.cache)
+            except Exception as error:
+                request.cache = None
+                request.channel.fail(error)
+                continue
+            if self._advance(request, out.logits[:, -1, :]):
+                still_running.append(request)
+        kept = {id(r) for r in still_running}
+        self._running = [r for r in self._running if id(r) in kept]
+
+    def _advance(self, request: _Request, logits: torch.Tensor) -> bool:
+        """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
+        it, stream it, retire finished branches. Returns whether the request still runs."""
+        engine, params = self._engine, request.params
+        if request.logits_processor is not None:
+            logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
+        generators = [request.generators[b] for b in request.active] if request.generators else []
+        tokens, logprobs = choose_next_tokens(logits, params, generators)
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        keep_rows = []
+        for row, b in enumerate(request.active):
+            branch = request.branches[b]
+            self._append_token(branch, token_list[row], logprob_list[row], params, request.max_new)
+            if branch.finish_reason is None:
+                keep_rows.append(row)
+            if request.stream:
+                self._emit(request, branch)
+        engine._stats.decode_tokens += len(request.active)
+        if not keep_rows:
+            self._finish(request)
+            return False
+        if len(keep_rows) < len(request.active):
+            index = torch.tensor(keep_rows, device=engine.device)
+            request.cache.batch_select_indices(index)
+            tokens = tokens[index]
+            request.active = [request.active[r] for r in keep_rows]
+        request.next_tokens = tokens
+        return True
+
+    def _append_token(self, branch: _Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
+        engine = self._engine
+        branch.token_ids.append(token)
+        branch.logprobs.append(logprob)
+        branch.pending_ids.append(token)
+        if token in engine.eos_token_ids:
+            branch.finish_reason = "eos"
+            return
+        branch.text = engine.tokenizer.decode(branch.token_ids, skip_special_tokens=True)
+        if params.stop:
+            cut = first_stop(branch.text, params.stop)
+            if cut is not None:
+                branch.text = branch.text[:cut]
+                branch.finish_reason = "stop"
+                return
+        if len(branch.token_ids) >= max_new:
+            branch.finish_reason = "length"
+
+    def _emit(self, request: _Request, branch: _Branch) -> None:
+        """Stream what ``branch`` may show now: never a possible start of a stop string, never half a
+        character. Its final chunk (when it has finished) carries the ``Completion``."""
+        if branch.finish_reason is None:
+            safe = safe_stream_end(branch.text, request.params.stop)
+            if safe > branch.emitted_chars:
+                request.channel.push(StreamChunk(branch.text[branch.emitted_chars:safe], tuple(branch.pending_ids),
+                                                 branch_index=branch.index))
+                branch.emitted_chars, branch.pending_ids = safe, []
+            return
+        completion = self._completion(request, branch)
+        request.channel.push(StreamChunk(completion.text[branch.emitted_chars:], tuple(branch.pending_ids),
+                                         completion, branch_index=branch.index))
+        branch.emitted_chars, branch.pending_ids = len(completion.text), []
+
+    def _finish(self, request: _Request) -> None:
+        if request.n == 1 and request.exact:  # approximate (ASKS) KV never enters the exact cache
+            self._engine._cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
+        request.cache = None
+        request.channel.finish([self._completion(request, b) for b in request.branches])
+        self._engine._after_request()
+
+    def _completion(self, request: _Request, branch: _Branch) -> Completion:
+        return Completion(
+            text=branch.text,
+            token_ids=tuple(branch.token_ids),
+            logprobs=tuple(branch.logprobs),
+            finish_reason=branch.finish_reason or "length",
+            num_prompt_tokens=len(request.prompt_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            branch_index=branch.index,
+            seed=request.seed,
+            asks=request.asks,
+        )
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index of the earliest stop string in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def safe_stream_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of ``text`` can be streamed: not a trailing partial character, nor a tail that
+    could be the beginning of a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - k:end] == stop[:k]:
+                end -= k
+                break
+    return end
