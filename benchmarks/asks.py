@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +52,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-# Benchmark the checkout this file sits in, whether or not the package is pip-installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine  # noqa: E402
-from rksc_engine.answers import extract_gsm8k_answer  # noqa: E402
-from rksc_engine.cgee import wilson_interval  # noqa: E402
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
+from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
+from rksc_engine.answers import extract_gsm8k_answer
+from rksc_engine.cgee import wilson_interval
+from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks.json"
 GREEDY_WINDOW = 32
@@ -193,9 +189,9 @@ def greedy_from(engine: RKSCEngine, prefilled, workload: str, max_new_tokens: in
     for _ in range(max_new_tokens):
         token = int(logits.argmax(-1))
         tokens.append(token)
-        if token in engine._eos_ids or answer_settled(engine, workload, tokens):
+        if token in engine.eos_token_ids or answer_settled(engine, workload, tokens):
             break
-        logits = engine._forward(torch.tensor([[token]], device=engine.device), cache).logits[:, -1, :]
+        logits = engine.forward(torch.tensor([[token]], device=engine.device), cache).logits[:, -1, :]
     return tokens
 
 
@@ -241,9 +237,9 @@ def run(args: argparse.Namespace) -> dict:
                 engine.clear_cache()
         reference = None
         for name, engine in arms.items():
-            with engine._lock:
+            with engine.exclusive():
                 start = time.perf_counter()
-                prefilled = engine._prefill(request.ids)
+                prefilled = engine.prefill(request.ids)
                 elapsed = time.perf_counter() - start
             decision = prefilled.asks
             record = dict(request=request.label, workload=request.workload, arm=name, prefill_s=elapsed,

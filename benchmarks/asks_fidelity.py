@@ -38,21 +38,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from asks import WORDINGS, answer_of, answer_settled, shots_for  # noqa: E402
-
-from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine  # noqa: E402
-from rksc_engine.cgee import wilson_interval  # noqa: E402
-from rksc_engine.datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
+# benchmarks/asks.py: Python puts a script's own folder on sys.path.
+from asks import WORDINGS, answer_of, answer_settled, shots_for
+from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
+from rksc_engine.cgee import wilson_interval
+from rksc_engine.datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks_fidelity.json"
 WORKLOAD = "prompt-ensemble SC"
@@ -77,7 +73,7 @@ def single_pass(base: RKSCEngine, ids: list[int]):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=base.model.config)
-    logits = base._forward(torch.tensor([ids], device=base.device), cache, logits_to_keep=1).logits[:, -1, :]
+    logits = base.forward(torch.tensor([ids], device=base.device), cache, logits_to_keep=1).logits[:, -1, :]
     return cache, logits
 
 
@@ -101,10 +97,10 @@ def batched_greedy(base: RKSCEngine, caches: list, logits: list[torch.Tensor], m
             if done[row]:
                 continue
             tokens[row].append(token)
-            done[row] = token in base._eos_ids or answer_settled(base, WORKLOAD, tokens[row])
+            done[row] = token in base.eos_token_ids or answer_settled(base, WORKLOAD, tokens[row])
         if all(done):
             break
-        step_logits = base._forward(chosen[:, None], cache).logits[:, -1, :]
+        step_logits = base.forward(chosen[:, None], cache).logits[:, -1, :]
     return tokens
 
 
@@ -138,7 +134,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for engine in arms.values():
                 if engine is not None:
                     engine.clear_cache()
-                    engine._prefill(ids)
+                    engine.warm_cache(ids)
             continue
         caches, logits, rows = [], [], []
         for name, engine in arms.items():
@@ -147,8 +143,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 cache, last = single_pass(base, ids)
                 decision, cached = None, 0
             else:
-                with engine._lock:
-                    prefilled = engine._prefill(ids)
+                with engine.exclusive():
+                    prefilled = engine.prefill(ids)
                 cache, last, decision, cached = (prefilled.cache, prefilled.last_logits, prefilled.asks,
                                                  prefilled.num_cached_tokens)
             elapsed = time.perf_counter() - start

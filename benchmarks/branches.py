@@ -39,11 +39,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-# Benchmark the checkout this file sits in, whether or not the package is pip-installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
+from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "branches.json"
 TEMPERATURE = 0.7

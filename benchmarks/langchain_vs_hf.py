@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -43,12 +42,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-# Benchmark the checkout this file sits in, whether or not the package is pip-installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rksc_engine import RKSCEngine  # noqa: E402
-from rksc_engine.answers import extract_gsm8k_answer, majority_vote  # noqa: E402
-from rksc_engine.datasets import Problem, few_shot_messages, synthetic_problems  # noqa: E402
+from rksc_engine import RKSCEngine
+from rksc_engine.answers import extract_gsm8k_answer, majority_vote
+from rksc_engine.datasets import Problem, few_shot_messages, synthetic_problems
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "langchain_vs_hf.json"
 TEMPERATURE, TOP_P = 0.7, 0.95

@@ -38,21 +38,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from branches import build_prompt_ids, load_problems, run_hf_batched, run_rksc  # noqa: E402
-
-from rksc_engine import EngineConfig, RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine.loading import cpu_supports_bf16  # noqa: E402
-from rksc_engine.sampling import choose_next_tokens, make_generators  # noqa: E402
+# benchmarks/branches.py: Python puts a script's own folder on sys.path.
+from branches import build_prompt_ids, load_problems, run_hf_batched, run_rksc
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.loading import cpu_supports_bf16
+from rksc_engine.sampling import choose_next_tokens, make_generators
+from rksc_engine.shared_prefix import ATTENTION_NAME, BatchDecodeCache, SharedPrefixCache, attention_implementation
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "limits.json"
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -189,16 +186,28 @@ def hf_sample_step(logits: torch.Tensor, warpers) -> torch.Tensor:
 def time_engine_steps(engine: RKSCEngine, prompt_ids: list[int], n: int, steps: int) -> list[float]:
     """Per-step seconds of the engine's own decode loop body: choose tokens, then one forward."""
     params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, seed=0)
-    prefilled = engine._prefill(prompt_ids)
-    shared = engine._use_shared_prefix()
-    cache, kwargs = engine._decode_cache(prefilled.cache, n, steps + 2, shared)
+    # The scheduler's decode step for one request, built from the same public pieces it uses: the
+    # prompt's KV shared by the n branches, seen by the forward as a one-request BatchDecodeCache.
+    prefilled = engine.prefill(prompt_ids)
+    plain = engine.config.decode_attention == "dynamic_cache"  # the path before shared-prefix decoding
+    if plain:
+        prefilled.cache.batch_repeat_interleave(n)
+    else:
+        branches = SharedPrefixCache.from_dynamic_cache(prefilled.cache, n, suffix_capacity=steps + 2)
     logits = prefilled.last_logits.expand(n, -1)
     generators = make_generators(0, n, engine.device)
     times = []
     for _ in range(steps + 1):  # the first step is untimed warm-up
         start = time.perf_counter()
         tokens, _ = choose_next_tokens(logits, params, generators)
-        logits = engine._decode_forward(tokens[:, None], cache, kwargs).logits[:, -1, :]
+        if plain:
+            out = engine.forward(tokens[:, None], prefilled.cache)
+        else:
+            batch = BatchDecodeCache([branches])
+            with attention_implementation(engine.model, ATTENTION_NAME):
+                out = engine.forward(tokens[:, None], batch, position_ids=batch.position_ids(engine.device),
+                                     **batch.forward_kwargs())
+        logits = out.logits[:, -1, :]
         times.append(time.perf_counter() - start)
     return times[1:]
 
@@ -300,12 +309,12 @@ def main(argv: list[str] | None = None) -> None:
                     bf16.clear_cache()
                     add(decode, f"rksc bf16 n={n}", time_engine_steps(bf16, prompt_ids, n, args.steps))
             engine.clear_cache()
-            add(prefill, "rksc", time_prefill(lambda: engine._prefill(prompt_ids)))
+            add(prefill, "rksc", time_prefill(lambda: engine.warm_cache(prompt_ids)))
             ids = torch.tensor([prompt_ids], device=engine.device)
             add(prefill, "transformers", time_prefill(lambda ids=ids: model(input_ids=ids, logits_to_keep=1)))
             if bf16 is not None:
                 bf16.clear_cache()
-                add(prefill, "rksc bf16", time_prefill(lambda: bf16._prefill(prompt_ids)))
+                add(prefill, "rksc bf16", time_prefill(lambda: bf16.warm_cache(prompt_ids)))
             if not args.skip_e2e:
                 params = SamplingParams(max_new_tokens=args.e2e_max_new_tokens, temperature=TEMPERATURE,
                                         top_p=TOP_P, seed=0)

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,12 +37,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-# Benchmark the checkout this file sits in, whether or not the package is pip-installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SearchResult  # noqa: E402
-from rksc_engine.config import RSBCMConfig  # noqa: E402
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems  # noqa: E402
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SearchResult
+from rksc_engine.config import RSBCMConfig
+from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "rsbcm.json"
 UNBOUNDED = "unbounded"

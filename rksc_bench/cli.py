@@ -7,8 +7,11 @@ from pathlib import Path
 
 from .paper import ARMS, BenchConfig, render_markdown, run_bench, save_report
 
+BENCH_HELP = "measure rksc against no reuse, token-exact caching and langchain-huggingface"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``rksc bench``'s arguments to ``parser`` and make ``run`` its handler (``args.func``)."""
     defaults = BenchConfig()
     parser.add_argument("--workload", choices=["gsm8k", "choice"], default=defaults.workload,
                         help="gsm8k: 8-shot chain of thought; choice: multiple-choice few-shot")
@@ -27,9 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--out", default="rksc-bench-results", help="folder for bench.json, bench.md and PNG plots")
     parser.add_argument("--no-plots", action="store_true")
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``rksc bench`` with the parsed ``args``; returns the exit status."""
     try:
         config = BenchConfig(
             workload=args.workload, data=args.data, model=args.model, questions=args.questions,

@@ -3,11 +3,20 @@
 The engine knows nothing of LangChain or LlamaIndex; ``rksc_integrations`` adapts it to them.
 """
 
-from .config import ASKSConfig, CGEEConfig, EngineConfig, PrefixCacheConfig, RSBCMConfig, SamplingParams
-from .engine import RKSCEngine
+from .config import (
+    ASKSConfig,
+    CGEEConfig,
+    EngineConfig,
+    PrefixCacheConfig,
+    RSBCMConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from .engine import Prefilled, RKSCEngine
 from .loading import DefaultModelNotInstalled
 from .memory import ForwardOutOfMemoryError
 from .prefix_cache import LRUPolicy, OmegaPolicy, PrefixMatch, RadixPrefixCache
+from .requests import RequestCancelled, RequestHandle
 from .tree_search import SearchNode, SearchResult
 from .types import ASKSDecision, Completion, EngineStats, StreamChunk
 
@@ -22,12 +31,16 @@ __all__ = [
     "ForwardOutOfMemoryError",
     "LRUPolicy",
     "OmegaPolicy",
+    "Prefilled",
     "PrefixCacheConfig",
     "PrefixMatch",
     "RKSCEngine",
     "RSBCMConfig",
     "RadixPrefixCache",
+    "RequestCancelled",
+    "RequestHandle",
     "SamplingParams",
+    "SchedulerConfig",
     "SearchNode",
     "SearchResult",
     "StreamChunk",

@@ -52,8 +52,8 @@ import torch
 
 from .config import ASKSConfig
 from .memory import roll_back
+from .model_parts import decoder_parts
 from .types import ASKSDecision
-from .verifier import decoder_parts
 
 # RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})

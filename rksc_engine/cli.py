@@ -1,5 +1,10 @@
-"""The ``rksc`` command line: ``rksc ask`` answers a question with self-consistency over
-``--branches`` reasoning branches that share one computed prompt."""
+"""``rksc ask``: answer a question with self-consistency over ``--branches`` reasoning branches
+that share one computed prompt.
+
+The ``rksc`` command itself lives in ``rksc_cli``, above this package, which adds this subcommand
+with ``add_arguments``/``run`` beside ``rksc bench``; ``python -m rksc_engine.cli ask ...`` runs it
+alone.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from .config import SamplingParams
 from .datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
 
 
-def _ask(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Run ``rksc ask`` with the parsed ``args``; returns the exit status."""
     from .engine import RKSCEngine
 
     t0 = time.perf_counter()
@@ -53,36 +59,33 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rksc", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    ask = sub.add_parser("ask", help="answer a question by self-consistency over N branches")
-    ask.add_argument("question")
-    ask.add_argument("--branches", "-n", type=int, default=8, help="sibling reasoning branches (default 8)")
-    ask.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
-    ask.add_argument("--shots", type=int, default=8, help="worked examples in the prompt (default 8)")
-    ask.add_argument("--shots-from", default=None, help="GSM8K-format JSONL to take the examples from (default: built-in synthetic set)")
-    ask.add_argument("--temperature", type=float, default=0.7)
-    ask.add_argument("--top-p", type=float, default=0.95)
-    ask.add_argument("--max-new-tokens", type=int, default=160)
-    ask.add_argument("--seed", type=int, default=0)
-    ask.add_argument("--device", default="auto")
-    ask.add_argument("--dtype", default="auto")
-    ask.add_argument("--no-cgee", action="store_true", help="always run the verifier at full depth")
-    ask.add_argument("--json", action="store_true", help="print the result as JSON")
-    ask.set_defaults(func=_ask)
-    bench = sub.add_parser("bench", help="measure rksc against no reuse, token-exact caching and langchain-huggingface")
-    _add_bench_arguments(bench)
-    return parser
+ASK_HELP = "answer a question by self-consistency over N branches"
 
 
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    # The bench front-end drives langchain-huggingface as a baseline, so it lives outside the engine
-    # package and is imported only when asked for.
-    from rksc_bench.cli import add_arguments, run
-
-    add_arguments(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``rksc ask``'s arguments to ``parser`` and make ``run`` its handler (``args.func``)."""
+    parser.add_argument("question")
+    parser.add_argument("--branches", "-n", type=int, default=8, help="sibling reasoning branches (default 8)")
+    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--shots", type=int, default=8, help="worked examples in the prompt (default 8)")
+    parser.add_argument("--shots-from", default=None, help="GSM8K-format JSONL to take the examples from (default: built-in synthetic set)")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-cgee", action="store_true", help="always run the verifier at full depth")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The engine's own command line: ``ask`` only (``rksc_cli`` builds the full ``rksc`` command)."""
+    parser = argparse.ArgumentParser(prog="python -m rksc_engine.cli", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_arguments(sub.add_parser("ask", help=ASK_HELP))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

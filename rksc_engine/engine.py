@@ -38,11 +38,8 @@ from .prefix_cache import RadixPrefixCache
 from .requests import LogitsProcessor, RequestHandle
 from .scheduler import Scheduler
 from .shared_prefix import (
-    ATTENTION_NAME,
     ProbeResult,
     SharedPrefixCache,
-    attention_implementation,
-    initial_suffix_capacity,
     probe,
 )
 from .types import ASKSDecision, Completion, EngineStats, StreamChunk
@@ -53,8 +50,18 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
-class _Prefilled:
-    """A prompt whose KV is computed: the batch-1 cache and the logits of its last position."""
+class Prefilled:
+    """A prompt whose KV is computed: the batch-1 cache and the logits of its last position.
+
+    Attributes:
+        prompt_ids: The prompt's token ids.
+        cache: A batch-1 ``transformers`` ``DynamicCache`` holding the whole prompt's KV (the
+            caller's own; the prefix cache keeps its own copy of the exact part).
+        last_logits: (1, V) next-token logits after the prompt.
+        num_cached_tokens: Prompt tokens served by the prefix cache instead of computed.
+        exact: False when ASKS reused approximate KV.
+        asks: What ASKS did, None when it did not act.
+    """
 
     prompt_ids: list[int]
     cache: Any  # transformers DynamicCache, batch 1
@@ -354,12 +361,20 @@ class RKSCEngine:
             snapshot.cache_evicted_tokens = self.prefix_cache.evicted_tokens
             snapshot.cache_peak_bytes = self.prefix_cache.peak_bytes
             snapshot.cache_budget_bytes = self.prefix_cache.budget_bytes
+            scheduler = self._scheduler
+            snapshot.running_requests = len(scheduler._running)
+            snapshot.waiting_requests = scheduler.num_waiting
+            snapshot.running_kv_bytes = scheduler.running_kv_bytes()
+            snapshot.peak_running_kv_bytes = scheduler.peak_running_kv_bytes
+            snapshot.peak_batch_rows = scheduler.peak_batch_rows
             return snapshot
 
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = EngineStats()
             self.prefix_cache.reset_peak()
+            self._scheduler.peak_batch_rows = self._scheduler.num_running_rows
+            self._scheduler.peak_running_kv_bytes = self._scheduler.running_kv_bytes()
 
     def exclusive(self) -> Any:
         """A context manager that holds the engine across several calls (``with engine.exclusive():``).
@@ -442,6 +457,21 @@ class RKSCEngine:
 
         return reason(self, question, **kwargs)
 
+    def prefill(self, prompt: Prompt) -> Prefilled:
+        """Compute a prompt's KV (its longest cached prefix from the prefix cache, the rest computed
+        and cached) without generating, and hand the caller the batch-1 cache and last logits. For
+        tools and benchmarks that drive the model themselves (with ``forward``)."""
+        prompt_ids = self.encode(prompt)
+        self.validate_request(prompt_ids, 1, None)
+        with self._lock:
+            return self._prefill(prompt_ids)
+
+    def forward(self, input_ids: torch.Tensor, cache: Any, **model_kwargs: Any) -> Any:
+        """One model pass over ``input_ids`` (B, T) after a caller-owned ``transformers`` cache, under
+        the engine lock (between scheduler steps) and with the out-of-memory roll-back and retry."""
+        with self._lock, torch.inference_mode():
+            return self._forward(input_ids, cache, **model_kwargs)
+
     def warm_cache(self, prompt: Prompt) -> int:
         """Compute the KV of ``prompt`` into the prefix cache without generating (a no-op for the part
         already cached). Returns the prompt tokens computed. Used to share one prefill among requests
@@ -481,6 +511,13 @@ class RKSCEngine:
                 self._stats.prompt_tokens_computed += lent.computed_tokens
                 self._stats.prompt_tokens_reused += lent.reused_tokens
 
+    async def areason(self, question: str, **kwargs: Any) -> Any:
+        """``reason`` for asyncio: the branches decode in the scheduler beside every other request
+        while the event loop stays free. Same keyword args and result."""
+        from .reasoning import areason
+
+        return await areason(self, question, **kwargs)
+
     def _cache_for_prefix(self, prompt_ids: list[int]) -> tuple[Any, int, Any]:
         """A batch-1 DynamicCache holding the longest cached prefix of ``prompt_ids`` (always leaving
         the last token to compute). Returns ``(cache, matched_tokens, locked_node_or_None)``; the
@@ -497,7 +534,7 @@ class RKSCEngine:
         return DynamicCache(config=self._model.config), 0, None
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[int]) -> _Prefilled:
+    def _prefill(self, prompt_ids: list[int]) -> Prefilled:
         prefilled = self._prefill_with_asks(prompt_ids)
         if prefilled is not None:
             return prefilled
@@ -517,9 +554,9 @@ class RKSCEngine:
             self._stats.cache_hits += 1
         else:
             self._stats.cache_misses += 1
-        return _Prefilled(prompt_ids, cache, out.logits[:, -1, :], matched)
+        return Prefilled(prompt_ids, cache, out.logits[:, -1, :], matched)
 
-    def _prefill_with_asks(self, prompt_ids: list[int]) -> _Prefilled | None:
+    def _prefill_with_asks(self, prompt_ids: list[int]) -> Prefilled | None:
         """Prefill through ASKS (``config.asks``, ``rksc_engine.asks``) when the prompt realigns with a
         cached sequence after a short differing span; None when ASKS does not act (off, ``tau = 1``,
         unsupported model, or no realignment), so the token-exact path runs unchanged.
@@ -554,7 +591,7 @@ class RKSCEngine:
         self._stats.asks_reused_tokens += decision.reused_tokens
         self._stats.asks_recomputed_tokens += decision.recomputed_tokens
         self._stats.asks_check_tokens += decision.check_tokens
-        return _Prefilled(prompt_ids, result.cache, result.last_logits, result.num_reused_tokens,
+        return Prefilled(prompt_ids, result.cache, result.last_logits, result.num_reused_tokens,
                           exact=result.exact, asks=decision)
 
     def _use_shared_prefix(self) -> bool:
@@ -573,26 +610,6 @@ class RKSCEngine:
                 f"({self._shared_prefix_probe.reason}); use 'auto' or 'dynamic_cache'"
             )
         return self._shared_prefix_probe.supported
-
-    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool) -> tuple[Any, dict]:
-        """The cache ``n`` branches decode with, and the extra forward kwargs it needs.
-
-        Shared prefix: the prefill's batch-1 KV is kept once and each branch gets a preallocated
-        suffix of ``max_new`` tokens (capped, see ``initial_suffix_capacity``; it doubles if needed). Plain: the prefill's
-        ``DynamicCache`` with its row repeated ``n`` times."""
-        if shared_prefix and SharedPrefixCache.can_share(cache):
-            shared = SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=initial_suffix_capacity(max_new))
-            return shared, shared.forward_kwargs()
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        return cache, {}
-
-    def _decode_forward(self, input_ids: torch.Tensor, cache: Any, forward_kwargs: dict) -> Any:
-        # input_ids: (B, 1). The shared-prefix cache needs its attention function for this forward only.
-        if not forward_kwargs:
-            return self._forward(input_ids, cache)
-        with attention_implementation(self._model, ATTENTION_NAME):
-            return self._forward(input_ids, cache, **forward_kwargs)
 
     def _cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Any) -> None:
         """Keep a single completion's KV too, the way SGLang caches finished requests: an agent's

@@ -122,6 +122,13 @@ class ReasoningResult:
     verification: VerificationReport
     vote_summary: VoteSummary
     generate_s: float = 0.0
+    completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
+
+    @property
+    def num_truncated(self) -> int:
+        """Branches cut by ``max_new_tokens`` before stating an answer. When every branch was,
+        ``answer`` is None and ``votes`` empty for want of tokens, not of agreement."""
+        return sum(b.answer is None and c.finish_reason == "length" for b, c in zip(self.branches, self.completions))
 
 
 def check_branch_count(name: str, value: Any) -> None:
@@ -181,6 +188,51 @@ def reason(
     ``cgee=None`` uses the engine's ``EngineConfig.cgee``. Every argument is checked before anything
     is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine untouched.
     """
+    plan = plan_reasoning(engine, question, n=n, params=params, few_shot=few_shot, prompt=prompt,
+                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee)
+    start = time.perf_counter()
+    completions = engine.generate_branches(plan.messages, plan.n, plan.params)
+    return finish_reasoning(plan, completions, time.perf_counter() - start)
+
+
+async def areason(engine: Any, question: str, **kwargs: Any) -> ReasoningResult:
+    """``reason`` for asyncio: the branches are awaited from the scheduler (the event loop stays
+    free while they decode, batched with every other request); the verifier's one pass runs in a
+    worker thread. Same arguments and result as ``reason``."""
+    import asyncio
+
+    plan = plan_reasoning(engine, question, **kwargs)
+    start = time.perf_counter()
+    completions = await engine.submit(plan.messages, plan.n, plan.params)
+    return await asyncio.to_thread(finish_reasoning, plan, completions, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """A checked ``reason`` call: what to generate and how to judge it."""
+
+    question: str
+    messages: Any
+    n: int
+    params: SamplingParams
+    extract: AnswerExtractor
+    judge: Verifier
+    cgee: CGEEConfig
+
+
+def plan_reasoning(
+    engine: Any,
+    question: str,
+    *,
+    n: int = 8,
+    params: SamplingParams | None = None,
+    few_shot: Sequence[Problem] = (),
+    prompt: Any = None,
+    answer_extractor: str | AnswerExtractor = "gsm8k",
+    verifier: Verifier | Callable | None = None,
+    cgee: CGEEConfig | None = None,
+) -> ReasoningPlan:
+    """Check every argument of ``reason`` (nothing runs): ``TypeError``/``ValueError`` naming the bad one."""
     if not isinstance(question, str):
         raise TypeError(f"question must be a non-empty string, got {type(question).__name__}")
     if not question.strip():
@@ -201,13 +253,15 @@ def reason(
     judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
 
-    start = time.perf_counter()
-    completions = engine.generate_branches(messages, n, params)
-    generate_s = time.perf_counter() - start
-    branches = [BranchAnswer(c.text, extract(c.text), c.confidence) for c in completions]
-    answer, report, summary = verify_and_pick(question, branches, judge, cgee)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee)
+
+
+def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float) -> ReasoningResult:
+    """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``."""
+    branches = [BranchAnswer(c.text, plan.extract(c.text), c.confidence) for c in completions]
+    answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
     votes = Counter(b.answer for b in branches if b.answer is not None)
-    return ReasoningResult(answer, votes, branches, report, summary, generate_s)
+    return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions))
 
 
 def verify_and_pick(

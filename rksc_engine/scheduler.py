@@ -110,6 +110,7 @@ class Scheduler:
         self._stepping = False
         self.num_steps = 0
         self.peak_batch_rows = 0
+        self.peak_running_kv_bytes = 0
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
@@ -149,6 +150,19 @@ class Scheduler:
     @property
     def num_running_rows(self) -> int:
         return sum(len(r.active) for r in self._running)
+
+    def running_kv_bytes(self) -> int:
+        """Bytes of KV the running requests hold outside the prefix cache (each tensor counted once,
+        however many requests or rows share it)."""
+        seen: dict[int, int] = {}
+        for request in self._running:
+            for layer in getattr(request.cache, "layers", ()):
+                for name in ("prefix_keys", "prefix_values", "keys", "values"):
+                    tensor = getattr(layer, name, None)
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
     # -- the loop -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -247,6 +261,7 @@ class Scheduler:
         if self._advance(request, logits):
             self._running.append(request)
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
+        self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 
     def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool) -> Any:
         """The cache ``n`` branches decode with: one copy of the prompt's KV with a preallocated suffix

@@ -122,7 +122,7 @@ def shared_prefix_attention(
         ``(output (B, T, H, D), None)``.
     """
     cache = kwargs.get(CACHE_KWARG)
-    if not isinstance(cache, (SharedPrefixCache, BatchDecodeCache)):
+    if not isinstance(cache, SharedPrefixCache | BatchDecodeCache):
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the cache passed as the {CACHE_KWARG!r} keyword")
     if attention_mask is not None or dropout or kwargs.get("softcap") is not None \
             or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None \
@@ -131,41 +131,82 @@ def shared_prefix_attention(
     cache.num_attention_calls += 1
     head_dim = query.shape[-1]
     scale = head_dim**-0.5 if scaling is None else float(scaling)
+    fused = cache.fused
     if isinstance(cache, SharedPrefixCache):
         layer = cache.layers[module.layer_idx]
-        out = _group_attention(query, layer.prefix_keys, layer.prefix_values, key, value, scale, cache.fused)
-    else:
-        # Several requests in one batch: each request's rows attend to its own prompt and suffixes,
-        # with exactly the operations they would run alone (the batch only widens the linear layers).
-        layer = cache.layers[module.layer_idx]
-        parts = []
-        for (start, stop), group_layer, (keys, values) in zip(cache.row_ranges, layer.group_layers, layer.views):
-            parts.append(_group_attention(query[start:stop], group_layer.prefix_keys, group_layer.prefix_values,
-                                          keys, values, scale, cache.fused))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
+                  for k, v in layer.segments]
+        return _merge_with_suffix(query, prefix, key, value, scale, fused), None
+    # Several requests in one batch. A prefix segment (a radix-cache node) that several requests
+    # share is read once, with all their queries in one product; each request then merges its own
+    # segments in its own order and attends to its own suffixes, so every row sees exactly the
+    # operations it would see alone (the batch only widens the linear layers).
+    layer = cache.layers[module.layer_idx]
+    num_kv_heads = key.shape[1]
+    per_group: list[list] = [[None] * len(g.segments) for g in layer.group_layers]
+    for (seg_k, seg_v), users in layer.shared_segments():
+        rows = [query[cache.row_ranges[g][0]:cache.row_ranges[g][1]] for g, _ in users]
+        q = torch.cat([_prefix_rows(r, num_kv_heads) for r in rows], dim=2) if len(rows) > 1 else \
+            _prefix_rows(rows[0], num_kv_heads)
+        out, lse = _segment_attention(q, seg_k, seg_v, scale, fused, None)  # (1, H_kv, R, D), (1, H_kv, R)
+        offset = 0
+        for (g, position), r in zip(users, rows):
+            width = r.shape[0] * (r.shape[1] // num_kv_heads) * r.shape[2]
+            per_group[g][position] = _rows_to_branches(out[:, :, offset:offset + width], lse[:, :, offset:offset + width],
+                                                      r.shape[0])
+            offset += width
+    parts = []
+    for g, ((start, stop), (keys, values)) in enumerate(zip(cache.row_ranges, layer.views)):
+        parts.append(_merge_with_suffix(query[start:stop], per_group[g], keys, values, scale, fused))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out, None
 
 
-def _group_attention(
-    query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, key: torch.Tensor,
-    value: torch.Tensor, scale: float, fused: bool,
+def _prefix_rows(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, H, T, D) queries as one row block per KV head, (1, H_kv, B*G*T, D): every branch's (and
+    every GQA head's) queries against the prefix in one product."""
+    batch, num_heads, num_new, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    q = query.reshape(batch, num_kv_heads, group * num_new, head_dim)
+    return q.transpose(0, 1).reshape(1, num_kv_heads, batch * group * num_new, head_dim)
+
+
+def _rows_to_branches(out: torch.Tensor, lse: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Undo ``_prefix_rows`` on a segment's result: (1, H_kv, B*G*T, D) -> (B, H_kv, G*T, D)."""
+    num_kv_heads, rows, head_dim = out.shape[1], out.shape[2], out.shape[3]
+    out = out.reshape(num_kv_heads, batch, rows // batch, head_dim).transpose(0, 1)
+    lse = lse.reshape(num_kv_heads, batch, rows // batch).transpose(0, 1)
+    return out, lse
+
+
+def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, fused: bool,
+                       batch: int | None) -> Any:
+    """Attention of prefix-shaped queries (1, H_kv, R, D) over one prefix segment (1, H_kv, P, D).
+    Returns ``(out, lse)`` as (1, H_kv, R, D), (1, H_kv, R), or per branch (``_rows_to_branches``)
+    when ``batch`` is given."""
+    result = _fused_cpu_attention(q_prefix, keys, values, scale) if fused else None
+    out, lse = result if result is not None else _partial_attention(q_prefix, keys, values, scale)
+    return _rows_to_branches(out, lse, batch) if batch is not None else (out, lse)
+
+
+def _merge_with_suffix(
+    query: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]], key: torch.Tensor, value: torch.Tensor,
+    scale: float, fused: bool,
 ) -> torch.Tensor:
-    """Attention of one request's ``B`` branches: the shared prefix once, each branch's own suffix,
-    merged by log-sum-exp. ``query`` (B, H, T, D); ``prefix_*`` (1, H_kv, P, D); ``key``/``value``
-    (B, H_kv, S, D), the branches' suffixes with the T new tokens last. Returns (B, T, H, D)."""
+    """One request's attention output from its prefix segments' partial results (in position order,
+    each (B, H_kv, G*T, D) and (B, H_kv, G*T)) and its branches' own suffixes.
+
+    ``query`` (B, H, T, D); ``key``/``value`` (B, H_kv, S, D), the suffixes with the T new tokens
+    last. Returns (B, T, H, D)."""
     batch, num_heads, num_new, head_dim = query.shape
     num_kv_heads, suffix_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads  # GQA: head h reads KV head h // group
     # Query rows of one KV head: its group's heads of every branch and new token.
     q = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # (B, H_kv, G*T, D)
-
-    # Prefix: every branch's queries against the one stored copy, as one product per KV head.
-    q_prefix = q.transpose(0, 1).reshape(1, num_kv_heads, batch * group * num_new, head_dim)  # (1, H_kv, B*G*T, D)
-    fused_out = _fused_cpu_attention(q_prefix, prefix_keys, prefix_values, scale) if fused else None
-    out_p, lse_p = fused_out if fused_out is not None else _partial_attention(q_prefix, prefix_keys, prefix_values,
-                                                                              scale)
-    out_p = out_p.reshape(num_kv_heads, batch, group * num_new, head_dim).transpose(0, 1)  # (B, H_kv, G*T, D)
-    lse_p = lse_p.reshape(num_kv_heads, batch, group * num_new).transpose(0, 1)  # (B, H_kv, G*T)
+    out_p, lse_p = prefix[0]
+    for out_i, lse_i in prefix[1:]:  # exact merge of two partial softmaxes (see below)
+        out_p = torch.lerp(out_p, out_i, torch.sigmoid(lse_i - lse_p)[..., None])
+        lse_p = torch.logaddexp(lse_p, lse_i)
 
     # Suffix: each branch against its own tokens; new token i sees suffix positions <= S - T + i.
     # One new token sees the whole suffix, so the fused kernel needs no mask (the decode case).
@@ -197,29 +238,39 @@ AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
 class SharedPrefixLayer(CacheLayerMixin):
     """One layer's KV: the shared prefix once, and a preallocated per-branch suffix.
 
-    ``keys``/``values`` are the suffix buffers (B, H_kv, capacity, D); only the first
-    ``num_suffix_tokens`` positions hold data.
+    The prefix is a list of segments in position order, each ``(keys, values)`` of shape
+    (1, H_kv, P_i, D) and never written: one segment for a prompt held privately, or the prompt's
+    radix-cache nodes themselves, read in place. ``keys``/``values`` are the suffix buffers
+    (B, H_kv, capacity, D); only the first ``num_suffix_tokens`` positions hold data.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, num_branches: int, capacity: int):
+    def __init__(self, segments: list[tuple[torch.Tensor, torch.Tensor]], num_branches: int, capacity: int):
         super().__init__()
-        self.prefix_keys = prefix_keys  # (1, H_kv, P, D), never written
-        self.prefix_values = prefix_values
-        _, num_kv_heads, _, head_dim = prefix_keys.shape
-        self.device = prefix_keys.device
+        if not segments:
+            raise ValueError("the prefix needs at least one segment")
+        self.segments = segments  # [(keys, values)], each (1, H_kv, P_i, D), never written
+        first = segments[0][0]
+        _, num_kv_heads, _, head_dim = first.shape
+        self.device = first.device
         shape = (num_branches, num_kv_heads, max(capacity, 1), head_dim)
-        self.keys = torch.empty(shape, dtype=prefix_keys.dtype, device=self.device)
-        self.values = torch.empty(shape, dtype=prefix_values.dtype, device=self.device)
+        self.keys = torch.empty(shape, dtype=first.dtype, device=self.device)
+        self.values = torch.empty(shape, dtype=first.dtype, device=self.device)
         self.num_suffix_tokens = 0
+        self.num_prefix_tokens = sum(k.shape[2] for k, _ in segments)
         self.is_initialized = True
 
     @property
-    def num_prefix_tokens(self) -> int:
-        return self.prefix_keys.shape[2]
+    def prefix_keys(self) -> torch.Tensor:
+        """The whole prefix's keys (1, H_kv, P, D): the segment itself when there is one, else a copy."""
+        return self.segments[0][0] if len(self.segments) == 1 else torch.cat([k for k, _ in self.segments], dim=2)
+
+    @property
+    def prefix_values(self) -> torch.Tensor:
+        return self.segments[0][1] if len(self.segments) == 1 else torch.cat([v for _, v in self.segments], dim=2)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # Built initialised from the prefix; nothing to do lazily.
@@ -310,7 +361,7 @@ class SharedPrefixCache(Cache):
     ) -> None:
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
-        layers = [SharedPrefixLayer(k, v, num_branches, suffix_capacity) for k, v in prefix_kv]
+        layers = [SharedPrefixLayer([(k, v)], num_branches, suffix_capacity) for k, v in prefix_kv]
         super().__init__(layers=layers)
         self.fused = fused
         self.num_attention_calls = 0  # how often shared_prefix_attention ran; `probe` checks it
@@ -333,6 +384,19 @@ class SharedPrefixCache(Cache):
             raise ValueError("the prefix must be a batch-1 DynamicCache of plain (non-sliding) layers")
         return cls([(layer.keys, layer.values) for layer in cache.layers], num_branches, suffix_capacity, fused)
 
+    @classmethod
+    def from_segments(
+        cls, segments: list[list[tuple[torch.Tensor, torch.Tensor]]], num_branches: int,
+        suffix_capacity: int = MIN_SUFFIX_CAPACITY, fused: bool = True,
+    ) -> SharedPrefixCache:
+        """A cache whose prefix is read in place from ``segments[layer]`` (each (1, H_kv, P_i, D),
+        in position order), e.g. the prompt's radix-cache nodes."""
+        cache = cls([(segs[0][0], segs[0][1]) for segs in segments], num_branches, suffix_capacity, fused)
+        for layer, segs in zip(cache.layers, segments):
+            layer.segments = list(segs)
+            layer.num_prefix_tokens = sum(k.shape[2] for k, _ in segs)
+        return cache
+
     def forward_kwargs(self) -> dict[str, Any]:
         """The keyword arguments a model forward needs to reach ``shared_prefix_attention``."""
         return {CACHE_KWARG: self}
@@ -342,8 +406,8 @@ class SharedPrefixCache(Cache):
         per_layer = []
         for layer in self.layers:
             s = layer.num_suffix_tokens
-            keys = torch.cat((layer.prefix_keys[0], layer.keys[row, :, :s]), dim=1)  # (H_kv, P + s, D)
-            values = torch.cat((layer.prefix_values[0], layer.values[row, :, :s]), dim=1)
+            keys = torch.cat([k[0] for k, _ in layer.segments] + [layer.keys[row, :, :s]], dim=1)  # (H_kv, P + s, D)
+            values = torch.cat([v[0] for _, v in layer.segments] + [layer.values[row, :, :s]], dim=1)
             per_layer.append(torch.stack((keys, values)))
         return torch.stack(per_layer)
 
@@ -364,6 +428,21 @@ class BatchDecodeLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
+
+    def shared_segments(self) -> list[tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]]:
+        """Each distinct prefix segment of this layer with its users ``(group, position in the
+        group's segment list)``; two requests share a segment when it is the same memory (same
+        start address, shape and strides), such as a radix-cache node both prompts begin with."""
+        found: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]] = {}
+        for g, layer in enumerate(self.group_layers):
+            for position, (k, v) in enumerate(layer.segments):
+                key = (k.data_ptr(), tuple(k.shape), k.stride(), v.data_ptr())
+                entry = found.get(key)
+                if entry is None:
+                    found[key] = ((k, v), [(g, position)])
+                else:
+                    entry[1].append((g, position))
+        return list(found.values())
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

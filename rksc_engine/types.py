@@ -133,6 +133,11 @@ class EngineStats:
     asks_reused_tokens: int = 0  # prompt tokens served approximate (reused, re-rotated) KV
     asks_recomputed_tokens: int = 0  # remainder tokens computed instead (fallbacks, selective recompute)
     asks_check_tokens: int = 0  # cached-span tokens recomputed only to compare hidden states
+    running_requests: int = 0  # requests decoding now
+    waiting_requests: int = 0  # requests queued for admission
+    running_kv_bytes: int = 0  # KV the running requests hold outside the prefix cache
+    peak_running_kv_bytes: int = 0  # the most they held at once (since reset_stats)
+    peak_batch_rows: int = 0  # the most branches decoded in one forward (since reset_stats)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .cgee import CGEEConfig
+from .model_parts import decoder_parts  # re-exported: ``verifier.decoder_parts`` stays importable
 
 JUDGE_SYSTEM_PROMPT = "You check answers to math word problems. Reply with Yes or No only."
 JUDGE_TEMPLATE = "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct?"
@@ -94,17 +95,6 @@ class CallableVerifier:
 
 class _StopForward(Exception):
     """Raised from a layer hook to end a forward pass early."""
-
-
-def decoder_parts(model: Any) -> tuple[Sequence[torch.nn.Module], torch.nn.Module, torch.nn.Module]:
-    """``(decoder layers, final norm, LM head)`` of a transformers causal LM (Llama-style layout)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    norm = getattr(base, "norm", None)
-    if layers is None or norm is None:
-        raise TypeError(f"layer exit needs a Llama-style model with .model.layers and .model.norm; "
-                        f"got {type(model).__name__}")
-    return layers, norm, model.get_output_embeddings()
 
 
 @dataclass

@@ -4,38 +4,22 @@ and how a ``Completion``'s accounting becomes LangChain metadata."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import CallbackManager, CallbackManagerForLLMRun, dispatch_custom_event
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
+
+from .._common import normalise_stop
+from .._engines import shared_engine
 
 # Per-call keyword arguments (``model.invoke(x, max_tokens=8)``) that override the field of that name.
 CALL_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "n")
 
 CACHE_EVENT = "rksc_cache_reuse"
-
-_shared_engines: dict[tuple[str, str, str], RKSCEngine] = {}
-_shared_lock = threading.Lock()
-
-
-def shared_engine(model: str | None, device: str, dtype: str, config: EngineConfig | None) -> RKSCEngine:
-    """One engine per (model, device, dtype) in the process.
-
-    LangChain builds models freely (every ``ChatRKSC()`` in a chain, a test fixture per test); loading
-    the weights each time would cost seconds and memory, and separate engines would not share a prefix
-    cache. An explicit ``engine_config`` gets its own engine, since the shared one may differ.
-    """
-    if config is not None:
-        return RKSCEngine.from_pretrained(model, device=device, dtype=dtype, config=config, progress=False)
-    key = (str(Path(model).resolve()) if model is not None else "", device, dtype)
-    with _shared_lock:
-        if key not in _shared_engines:
-            _shared_engines[key] = RKSCEngine.from_pretrained(model, device=device, dtype=dtype, progress=False)
-        return _shared_engines[key]
+# Sent when ASKS acted on the call's prompt; its data is the engine's ``ASKSDecision`` as a dict.
+ASKS_EVENT = "rksc_asks"
 
 
 class RKSCFields(BaseModel):
@@ -60,7 +44,8 @@ class RKSCFields(BaseModel):
     top_k: int = Field(default=0, ge=0)
     """Keep the k most likely tokens; 0 disables it."""
     stop: list[str] | None = None
-    """Strings that end generation, matched on decoded text, so a stop spanning several tokens works."""
+    """Strings that end generation (one string or a list), matched on decoded text, so a stop spanning
+    several tokens works."""
     seed: int | None = Field(default=None, ge=0)
     """Seed of generation 0 (generation i of a prompt uses seed + i); None draws a fresh seed per call."""
     n: int = Field(default=1, ge=1)
@@ -84,6 +69,12 @@ class RKSCFields(BaseModel):
         self._engine = engine if engine is not None else shared_engine(
             self.model, self.device, self.dtype, self.engine_config
         )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        # One stop string works per call (LangChain's stop=) and so here too.
+        return normalise_stop(value)
 
     @classmethod
     def from_model_id(cls, model_id: str | None = None, **fields: Any) -> Any:
@@ -151,19 +142,30 @@ class RKSCFields(BaseModel):
             "branch_index": completion.branch_index,
             "seed": completion.seed,
             # What ASKS decided for this prompt (spans, sigma, reused tokens), None when it did not act.
-            "asks": None if completion.asks is None else dataclasses.asdict(completion.asks),
+            "asks": completion_asks(completion),
         }
 
-    def report(self, completion: Completion, n: int, run_manager: CallbackManagerForLLMRun | None) -> dict[str, Any]:
-        """Emit the cache-reuse custom event (when there is a run to attach it to) and return its data."""
+    def report(
+        self, completion: Completion, n: int, run_manager: CallbackManagerForLLMRun | None, *, dispatch: bool = True
+    ) -> dict[str, Any]:
+        """Emit the call's custom events (``rksc_cache_reuse``, and ``rksc_asks`` when ASKS acted) on
+        the LLM run and return the cache-reuse data.
+
+        Args:
+            dispatch: False when the caller emits the events itself, later: LangChain's chat
+                ``stream()``/``astream()`` call ``_stream`` without the run's manager, so
+                ``ChatRKSC`` sends them from its ``stream``/``astream`` once the run's id is known.
+        """
         data = {
             "model_name": self._engine.model_name,
             "num_prompt_tokens": completion.num_prompt_tokens,
             "num_cached_tokens": completion.num_cached_tokens,
             "num_generations": n,
         }
+        if not dispatch:
+            return data
         # dispatch_custom_event raises without a parent run: the LLM run is that parent when we have
-        # its manager; otherwise (LangChain's stream() calls _stream without one) the ambient run is.
+        # its manager; otherwise (a bare _stream call) the ambient run is, if there is one.
         config = None
         if run_manager is not None:
             manager = CallbackManager(
@@ -172,7 +174,8 @@ class RKSCFields(BaseModel):
             )
             config = {"callbacks": manager}
         try:
-            dispatch_custom_event(CACHE_EVENT, data, config=config)
+            for name, event_data in custom_events(data, completion_asks(completion)):
+                dispatch_custom_event(name, event_data, config=config)
         except RuntimeError:
             pass
         return data
@@ -196,6 +199,19 @@ class RKSCFields(BaseModel):
         if stops:
             params["ls_stop"] = stops
         return params
+
+
+def completion_asks(completion: Completion) -> dict[str, Any] | None:
+    """What ASKS decided for the completion's prompt, as a dict; None when it did not act."""
+    return None if completion.asks is None else dataclasses.asdict(completion.asks)
+
+
+def custom_events(cache_data: dict[str, Any], asks: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The custom events of one model call: cache reuse always, ASKS when it acted."""
+    events = [(CACHE_EVENT, cache_data)]
+    if asks is not None:
+        events.append((ASKS_EVENT, asks))
+    return events
 
 
 def _stop_list(value: Any, name: str) -> list[str]:

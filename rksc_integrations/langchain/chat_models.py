@@ -19,19 +19,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+from uuid import UUID
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManager,
+    AsyncCallbackManagerForLLMRun,
+    CallbackManager,
+    CallbackManagerForLLMRun,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.utils import LC_ID_PREFIX
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict
 
@@ -40,7 +49,8 @@ from rksc_engine import tools as tool_protocol
 from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolRequest
 
 from .._async import iterate_in_thread
-from ._base import RKSCFields
+from .._common import tool_turn_content
+from ._base import RKSCFields, custom_events
 from .messages import to_engine_messages
 
 # Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
@@ -226,9 +236,12 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         request = self._request(messages, stop, kwargs)
         if request.n != 1:
             raise ValueError(f"streaming produces one generation; n must be 1, got {request.n}")
+        # Without the run's manager (LangChain's stream()/astream()), stream()/astream() below send
+        # the events once the run id is known; report() only computes the data then.
+        dispatch = run_manager is not None
         if request.constrained_from_start:
             message, first = self._constrained(request, request.params.seed)
-            message.response_metadata["rksc_cache_reuse"] = self.report(first, 1, run_manager)
+            message.response_metadata["rksc_cache_reuse"] = self.report(first, 1, run_manager, dispatch=dispatch)
             yield _last_chunk(message)
             return
         completion: Completion | None = None
@@ -239,12 +252,51 @@ class ChatRKSC(RKSCFields, BaseChatModel):
             elif piece.text:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
         assert completion is not None  # the engine's last chunk always carries it
-        report = self.report(completion, 1, run_manager)
+        report = self.report(completion, 1, run_manager, dispatch=dispatch)
         message = self._message(completion, request)
         message.response_metadata["rksc_cache_reuse"] = report
         streamed = completion.text[: len(completion.text) - len(tail)]
         message.content = message.content[len(streamed):] if isinstance(message.content, str) else message.content
         yield _last_chunk(message)
+
+    def stream(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        """LangChain's ``stream``, plus the ``rksc_cache_reuse`` (and ``rksc_asks``) custom events
+        ``invoke`` sends, on the same run."""
+        config = ensure_config(config)
+        for chunk in super().stream(input, config, stop=stop, **kwargs):
+            events = _stream_events(chunk)
+            if events:
+                manager = self._stream_run_manager(config, chunk, CallbackManager)
+                for name, data in events:
+                    dispatch_custom_event(name, data, config={"callbacks": manager})
+            yield chunk
+
+    async def astream(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        """LangChain's ``astream`` (so also ``astream_events``), plus the events ``stream`` adds."""
+        config = ensure_config(config)
+        async for chunk in super().astream(input, config, stop=stop, **kwargs):
+            events = _stream_events(chunk)
+            if events:
+                manager = self._stream_run_manager(config, chunk, AsyncCallbackManager)
+                for name, data in events:
+                    await adispatch_custom_event(name, data, config={"callbacks": manager})
+            yield chunk
+
+    def _stream_run_manager(self, config: RunnableConfig, chunk: AIMessageChunk, manager_class: type) -> Any:
+        """Callbacks of the chat-model run that streamed ``chunk``, as a parent for custom events:
+        the handlers ``stream()`` configured for it, and its run id, which it wrote into the chunk's id."""
+        manager = manager_class.configure(
+            config.get("callbacks"), self.callbacks, self.verbose, config.get("tags"), self.tags,
+            config.get("metadata"), self.metadata,
+        )
+        manager.parent_run_id = UUID(chunk.id.removeprefix(f"{LC_ID_PREFIX}-"))
+        return manager
 
     async def _astream(
         self,
@@ -285,11 +337,23 @@ class ChatRKSC(RKSCFields, BaseChatModel):
             result = tool_protocol.decode_json(self.engine, request.prompt_ids, params, schema)
         tool_calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
         metadata = {**self.generation_info(result.completion), "finish_reason": result.finish_reason, "constrained": True}
+        content = tool_turn_content(result.text, self.engine.tokenizer) if result.tool_calls else result.text
         message = AIMessage(
-            content=result.text, tool_calls=tool_calls,
+            content=content, tool_calls=tool_calls,
             usage_metadata=self.usage(result.completion, result.num_generated_tokens), response_metadata=metadata,
         )
         return message, result.completion
+
+
+def _stream_events(chunk: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The custom events a streamed run still owes: those of its last chunk, when ``_stream`` made
+    it (a fallback to ``invoke`` yields an ``AIMessage``, whose events ``_generate`` already sent)."""
+    if not isinstance(chunk, AIMessageChunk) or chunk.chunk_position != "last":
+        return []
+    metadata = chunk.response_metadata
+    if "rksc_cache_reuse" not in metadata or not (chunk.id or "").startswith(LC_ID_PREFIX):
+        return []
+    return custom_events(metadata["rksc_cache_reuse"], metadata.get("asks"))
 
 
 def _branch_seed(params: SamplingParams, i: int) -> int | None:

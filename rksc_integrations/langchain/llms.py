@@ -20,6 +20,7 @@ from pydantic import ConfigDict
 from rksc_engine import Completion
 
 from .._async import iterate_in_thread
+from .._common import check_prompt_text
 from ._base import RKSCFields
 
 
@@ -50,8 +51,7 @@ class RKSCLLM(RKSCFields, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt:
-                raise TypeError(f"prompts[{i}] must be a non-empty string, got {prompt!r}"[:200])
+            check_prompt_text(prompt, f"prompts[{i}]")
         params, n = self.sampling_params(kwargs, stop)
         if self.streaming and len(prompts) == 1 and n == 1:
             return self._generate_by_streaming(prompts[0], stop, run_manager, **kwargs)
@@ -93,8 +93,7 @@ class RKSCLLM(RKSCFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        if not isinstance(prompt, str) or not prompt:
-            raise TypeError(f"prompt must be a non-empty string, got {prompt!r}"[:200])
+        check_prompt_text(prompt)
         params, n = self.sampling_params(kwargs, stop)
         if n != 1:
             raise ValueError(f"streaming produces one generation; n must be 1, got {n}")

@@ -24,6 +24,8 @@ from langchain_core.messages import (
 
 from rksc_engine.tools import inline_tool_calls
 
+from .._common import check_chat_has_text
+
 ENGINE_ROLES = ("system", "user", "assistant", "tool")
 
 _ROLE_OF = {SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool", FunctionMessage: "tool"}
@@ -47,7 +49,8 @@ def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool = Fal
 
     Raises:
         TypeError: An item is not a ``BaseMessage``, or its content is neither a string nor a list.
-        ValueError: ``messages`` is empty, a role is unknown, or content holds non-text blocks (images...).
+        ValueError: ``messages`` is empty, no message has text or tool calls, a role is unknown, or
+            content holds non-text blocks (images...).
     """
     if isinstance(messages, (str, BaseMessage)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of BaseMessage, got {type(messages).__name__}")
@@ -72,6 +75,7 @@ def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool = Fal
             if message.status == "error":  # the model should see that the call failed
                 entry["content"] = f"Error: {text}"
         out.append(entry)
+    check_chat_has_text(out)
     return out
 
 
@@ -89,7 +93,13 @@ def _role(message: BaseMessage, index: int) -> str:
 
 def message_text(message: BaseMessage, where: str) -> str:
     """The text of a message: string content, or the text blocks of list content joined."""
-    content = message.content
+    return content_text(message.content, where)
+
+
+def content_text(content: Any, where: str) -> str:
+    """The text of message content: a string, or a list of content blocks (strings and
+    ``{"type": "text", "text": ...}``) whose text parts are joined; tool-use and reasoning blocks
+    are skipped, anything else (images...) is a ``ValueError``."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):

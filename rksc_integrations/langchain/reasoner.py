@@ -16,10 +16,19 @@ LangChain custom events::
 
 Input (one of):
     * a question string;
-    * ``{"question": str}``, optionally with ``"few_shot"`` (a list of ``Problem``) overriding the
-      field for this input, or ``"messages"`` (the whole prompt as chat messages, question last);
+    * ``{"question": str}`` or ``{"messages": [...]}`` (the prompt as chat messages, question last),
+      optionally with ``"few_shot"`` (a list of ``Problem``) overriding the field for this input;
     * a ``PromptValue`` from an upstream prompt template: a string prompt is the question; a chat
-      prompt is sent as is and its last human message is the question the verifier sees.
+      prompt's last human message is the question the verifier sees.
+
+Chat messages (``"messages"`` or a chat prompt) may hold text content blocks, as ``ChatRKSC``
+accepts. The ``few_shot`` field is honoured with them too: its worked problems are inserted as
+user/assistant turns after the leading system messages, so a template's own system message and
+question frame the same shared, cached prefix the string form builds.
+
+Warnings: ``temperature=0`` with ``n > 1`` (every branch would be the same), and a call whose
+branches all ran out of ``max_new_tokens`` before stating an answer (``answer`` is then None
+for want of tokens; ``ReasonerOutput.num_truncated`` counts such branches on every call).
 
 Output: a ``ReasonerOutput`` (answer, votes, branches, the CGEE decision, the call's cache
 accounting); ``ReasonerOutput.result`` is the engine's full ``ReasoningResult``.
@@ -35,6 +44,7 @@ the one prefill the branches shared).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,14 +61,16 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from rksc_engine import EngineConfig, EngineStats, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig
-from rksc_engine.datasets import SYSTEM_PROMPT, Problem, few_shot_messages
+from rksc_engine.datasets import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
 from rksc_engine.reasoning import EXTRACTORS, ReasoningResult
 from rksc_engine.verifier import CallableVerifier, Verifier
 
-from .._async import run_in_thread
-from ._base import CACHE_EVENT, shared_engine
+from .._common import normalise_stop
+from .._engines import shared_engine
+from ._base import CACHE_EVENT
+from .messages import content_text
 
 VOTE_EVENT = "rksc_vote"
 CGEE_EVENT = "rksc_cgee"
@@ -80,6 +92,8 @@ class ReasonerBranch(BaseModel):
     text: str
     answer: str | None
     confidence: float
+    finish_reason: str | None = None
+    """Why it ended: ``"eos"``, ``"stop"`` or ``"length"`` (``max_new_tokens`` reached)."""
 
 
 class CGEEDecision(BaseModel):
@@ -116,9 +130,9 @@ class CGEEDecision(BaseModel):
 class CacheReuse(BaseModel):
     """Prompt tokens of one reasoner call: computed vs served from the prefix cache.
 
-    The counters cover the whole call: the branches' single prefill and, when verification runs on
-    the engine's judge, the judge's prompts (whose shared question part is computed once). The engine
-    is held for the call, so no other call's tokens are in them.
+    The counters cover the branches' generation (their single prefill and their decoded tokens),
+    read from the call's own completions, so calls running at once never mix their counts. The
+    judge's prompts are not in them (``engine.stats()`` counts everything).
     """
 
     model_name: str
@@ -155,6 +169,11 @@ class ReasonerOutput(BaseModel):
     """Wall time of the branches' generation."""
     result: ReasoningResult = Field(exclude=True, repr=False)
     """The engine's full result (``VerificationReport``, ``VoteSummary``...)."""
+
+    @property
+    def num_truncated(self) -> int:
+        """Branches cut by ``max_new_tokens`` before stating an answer (see ``ReasoningResult``)."""
+        return sum(b.answer is None and b.finish_reason == "length" for b in self.branches)
 
     def __str__(self) -> str:
         return self.answer or ""
@@ -226,9 +245,9 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             (or ``max_tokens``), ``seed``, ``stop`` and ``cgee`` can also be passed per call
             (``invoke(q, n=4)``, ``.bind(n=4)``); other keyword arguments raise ``TypeError``.
 
-    ``batch`` runs its inputs one after another unless ``max_concurrency`` says otherwise: the
-    engine runs one generation at a time anyway, and in order the first question pays for the
-    shared few-shot prefix and the rest reuse it.
+    ``batch``/``abatch`` submit every input at once (unless ``max_concurrency`` says otherwise), so
+    the engine's scheduler decodes all their branches together; the shared few-shot prefix is
+    computed by the first admitted question and reused by the rest.
     """
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
@@ -252,7 +271,7 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
     max_new_tokens: int = Field(default=160, gt=0, alias="max_tokens")
     """Upper bound on tokens per branch (also accepted as ``max_tokens``)."""
     stop: list[str] | None = None
-    """Strings that end a branch (the model's end-of-turn token ends it anyway)."""
+    """Strings that end a branch, one string or a list (the model's end-of-turn token ends it anyway)."""
     seed: int | None = Field(default=None, ge=0)
     """Seed of branch 0 (branch i uses seed + i); None draws a fresh seed per call."""
     few_shot: list[Problem] = Field(default_factory=list)
@@ -293,6 +312,11 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             self.model, self.device, self.dtype, self.engine_config
         )
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return normalise_stop(value)
+
     @field_validator("answer_extractor")
     @classmethod
     def _check_extractor(cls, value: Any) -> Any:
@@ -331,11 +355,9 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
     def batch(self, inputs: list[ReasonerInput], config: RunnableConfig | list[RunnableConfig] | None = None,
               *, return_exceptions: bool = False, **kwargs: Any) -> list[ReasonerOutput]:
-        return super().batch(inputs, _one_at_a_time(config), return_exceptions=return_exceptions, **kwargs)
-
-    async def abatch(self, inputs: list[ReasonerInput], config: RunnableConfig | list[RunnableConfig] | None = None,
-                     *, return_exceptions: bool = False, **kwargs: Any) -> list[ReasonerOutput]:
-        return await super().abatch(inputs, _one_at_a_time(config), return_exceptions=return_exceptions, **kwargs)
+        # One waiting thread per input (cheap: each only waits on its request), so every input is
+        # submitted before any finishes; LangChain's default pool would cap that at a few workers.
+        return super().batch(inputs, all_at_once(config, len(inputs)), return_exceptions=return_exceptions, **kwargs)
 
     def _reason(self, input: ReasonerInput, run_manager: CallbackManagerForChainRun, config: RunnableConfig,
                 **kwargs: Any) -> ReasonerOutput:
@@ -349,10 +371,10 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
     async def _areason(self, input: ReasonerInput, run_manager: Any, config: RunnableConfig,
                        **kwargs: Any) -> ReasonerOutput:
         request = self._request(input, kwargs)
-        # The engine is synchronous; a worker thread runs it so the event loop stays free. A
-        # Runnable verifier is invoked from that thread, under the run's sync callbacks.
+        # The branches are awaited from the engine's scheduler (no thread); a Runnable verifier is
+        # invoked from the verification worker thread, under the run's sync callbacks.
         sync_child = patch_config(config, callbacks=run_manager.get_sync().get_child())
-        output = await run_in_thread(self._run, request, self._engine_verifier(sync_child))
+        output = await self._arun(request, self._engine_verifier(sync_child))
         child = patch_config(config, callbacks=run_manager.get_child())
         for name, data in _events(output):
             await adispatch_custom_event(name, data, config=child)
@@ -377,6 +399,10 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             seed=kwargs.get("seed", self.seed),
         )
+        if n > 1 and params.greedy:
+            warnings.warn(f"MultiBranchReasoner with n={n} and temperature={params.temperature} (top_p={params.top_p}) "
+                          f"decodes greedily, so all {n} branches will be the same; use temperature > 0 (e.g. 0.7) "
+                          f"or n=1", UserWarning, stacklevel=3)
         return params, n
 
     def _request(self, input: ReasonerInput, kwargs: dict[str, Any]) -> _Request:
@@ -397,27 +423,23 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
         few_shot = self.few_shot
         if isinstance(input, ChatPromptValue):
             messages = _engine_messages(input.messages)
-            return _last_user_message(messages), messages
+            return _last_user_message(messages), _with_shots(messages, few_shot)
         if isinstance(input, PromptValue):
             input = input.to_string()
         if isinstance(input, dict):
             unknown = sorted(set(input) - set(INPUT_KEYS))
             if unknown:
                 raise ValueError(f"input dict has unknown key(s) {unknown}; allowed keys are {list(INPUT_KEYS)}")
+            few_shot = check_problems(input.get("few_shot", few_shot), "input['few_shot']")
             if "messages" in input:
-                if "few_shot" in input:
-                    raise ValueError("input dict: pass 'messages' or 'few_shot', not both")
                 raw = input["messages"]
                 if not isinstance(raw, list) or not raw:
                     raise TypeError("input['messages'] must be a non-empty list of chat messages")
                 messages = _engine_messages(raw)
                 question = input.get("question", _last_user_message(messages))
-                return _check_question(question), messages
+                return _check_question(question), _with_shots(messages, few_shot)
             if "question" not in input:
                 raise ValueError(f"input dict needs a 'question' key (allowed keys: {list(INPUT_KEYS)})")
-            few_shot = input.get("few_shot", few_shot)
-            if not isinstance(few_shot, (list, tuple)) or not all(isinstance(p, Problem) for p in few_shot):
-                raise TypeError("input['few_shot'] must be a list of rksc_engine.datasets.Problem")
             input = input["question"]
         question = _check_question(input)
         return question, few_shot_messages(question, list(few_shot), self.system_prompt)
@@ -440,25 +462,30 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
         return CallableVerifier(score)
 
-    def _run(self, request: _Request, verifier: Verifier | None) -> ReasonerOutput:
-        engine = self._engine
+    def _keywords(self, request: _Request, verifier: Verifier | None) -> dict[str, Any]:
         keywords: dict[str, Any] = {"n": request.n, "params": request.params, "prompt": request.messages,
                                     "answer_extractor": self.answer_extractor, "verifier": verifier}
         if request.cgee is not None:
             keywords["cgee"] = request.cgee
-        # Held for the whole call, so the stats delta is this call's alone.
-        with engine.exclusive():
-            before = engine.stats()
-            result = engine.reason(request.question, **keywords)
-            after = engine.stats()
-        return _output(request, result, _cache_reuse(engine.model_name, request, before, after))
+        return keywords
+
+    def _run(self, request: _Request, verifier: Verifier | None) -> ReasonerOutput:
+        result = self._engine.reason(request.question, **self._keywords(request, verifier))
+        return _warn_if_truncated(_output(request, result, _cache_reuse(self._engine.model_name, request, result)))
+
+    async def _arun(self, request: _Request, verifier: Verifier | None) -> ReasonerOutput:
+        result = await self._engine.areason(request.question, **self._keywords(request, verifier))
+        return _warn_if_truncated(_output(request, result, _cache_reuse(self._engine.model_name, request, result)))
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def _one_at_a_time(config: RunnableConfig | list[RunnableConfig] | None) -> RunnableConfig | list[RunnableConfig]:
+def all_at_once(config: RunnableConfig | list[RunnableConfig] | None, num_inputs: int
+                ) -> RunnableConfig | list[RunnableConfig]:
+    """``config`` with ``max_concurrency`` defaulting to every input at once."""
+    width = max(1, num_inputs)
     if isinstance(config, list):
-        return [{"max_concurrency": 1, **c} for c in config]
-    return {"max_concurrency": 1, **(config or {})}
+        return [{"max_concurrency": width, **c} for c in config]
+    return {"max_concurrency": width, **(config or {})}
 
 
 def _check_question(question: Any) -> str:
@@ -482,10 +509,31 @@ def _engine_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
         else:
             raise TypeError(f"messages[{i}] must be a BaseMessage or a {{'role', 'content'}} dict, "
                             f"got {type(message).__name__}")
-        if not isinstance(content, str):
-            raise TypeError(f"messages[{i}] content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        if not isinstance(content, (str, list)):
+            raise TypeError(f"messages[{i}] content must be a string or a list of text blocks, "
+                            f"got {type(content).__name__}")
+        out.append({"role": role, "content": content_text(content, f"messages[{i}]")})
     return out
+
+
+def _with_shots(messages: list[dict[str, str]], shots: Sequence[Problem]) -> list[dict[str, str]]:
+    """``messages`` with the worked problems as user/assistant turns after the leading system
+    messages, where ``few_shot_messages`` puts them."""
+    if not shots:
+        return messages
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    turns = few_shot_messages("", list(shots))[1:-1]  # without its system message and question
+    return [*messages[:lead], *turns, *messages[lead:]]
+
+
+def _warn_if_truncated(output: ReasonerOutput) -> ReasonerOutput:
+    if output.answer is None and output.num_truncated:
+        warnings.warn(f"{output.num_truncated} of {len(output.branches)} branches hit max_new_tokens before "
+                      f"stating an answer, so none was voted (answer=None); raise max_new_tokens (max_tokens)",
+                      UserWarning, stacklevel=2)
+    return output
 
 
 def _last_user_message(messages: list[dict[str, str]]) -> str:
@@ -495,15 +543,19 @@ def _last_user_message(messages: list[dict[str, str]]) -> str:
     raise ValueError("the prompt has no human/user message to take the question from")
 
 
-def _cache_reuse(model_name: str, request: _Request, before: EngineStats, after: EngineStats) -> CacheReuse:
+def _cache_reuse(model_name: str, request: _Request, result: ReasoningResult) -> CacheReuse:
+    """The branches' generation, from their own ``Completion``s (so concurrent calls never mix their
+    counts): one prefill of the prompt, its cached part reused, every generated token decoded."""
+    completions = result.completions
+    cached = completions[0].num_cached_tokens if completions else 0
     return CacheReuse(
         model_name=model_name,
         num_prompt_tokens=request.num_prompt_tokens,
         num_branches=request.n,
-        prompt_tokens_computed=after.prompt_tokens_computed - before.prompt_tokens_computed,
-        prompt_tokens_reused=after.prompt_tokens_reused - before.prompt_tokens_reused,
-        prefills=after.prefills - before.prefills,
-        decode_tokens=after.decode_tokens - before.decode_tokens,
+        prompt_tokens_computed=request.num_prompt_tokens - cached,
+        prompt_tokens_reused=cached,
+        prefills=1,
+        decode_tokens=sum(c.num_generated_tokens for c in completions),
     )
 
 
@@ -521,7 +573,9 @@ def _output(request: _Request, result: ReasoningResult, cache: CacheReuse) -> Re
         answer=result.answer,
         votes=dict(result.votes.most_common()),
         vote_shares=dict(result.vote_summary.shares),
-        branches=[ReasonerBranch(text=b.text, answer=b.answer, confidence=b.confidence) for b in result.branches],
+        branches=[ReasonerBranch(text=b.text, answer=b.answer, confidence=b.confidence,
+                                 finish_reason=getattr(c, "finish_reason", None))
+                  for b, c in zip(result.branches, result.completions or [None] * len(result.branches))],
         cgee=decision,
         cache=cache,
         generate_s=result.generate_s,
@@ -535,6 +589,7 @@ def _events(output: ReasonerOutput) -> list[tuple[str, dict[str, Any]]]:
         "question": output.question, "answer": output.answer, "vote_winner": output.result.vote_summary.winner,
         "votes": output.votes, "shares": output.vote_shares, "num_branches": len(output.branches),
         "num_unanswered": sum(b.answer is None for b in output.branches),
+        "num_truncated": output.num_truncated,
     }
     events = [(VOTE_EVENT, vote), (CGEE_EVENT, output.cgee.model_dump())]
     if output.cgee.exited_early:

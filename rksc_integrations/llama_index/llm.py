@@ -21,9 +21,12 @@ What differs, on purpose:
       constrained decoder), whatever ``is_function_calling_model`` says.
     * ``branches=n`` answers by verified self-consistency, see ``rksc_integrations.llama_index.branches``.
 
-``is_function_calling_model`` defaults to whether the chat template takes tools: that is the sign a
-model was trained to choose tools. SmolLM2's template does not, so LlamaIndex agents use ReAct with it
-unless you set the field; the tool protocol and constrained calls work either way.
+``is_function_calling_model`` defaults to True: rksc offers tools and decodes every call under its
+schema itself, whatever the chat template, so LlamaIndex's ``FunctionAgent``, ``FunctionCallingProgram``
+and ``predict_and_call`` work with any model (``FunctionAgent`` otherwise refuses it with "LLM must be
+a FunctionCallingLLM"). Set it False to route agents to ReAct, or None to advertise it only when the
+chat template takes tools (the sign a model was trained to choose them; SmolLM2's does not). A
+tool-call turn's content follows ``rksc_integrations._common``: no echo of the tool protocol.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -61,6 +64,8 @@ from rksc_engine.cgee import CGEEConfig
 from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
+from .._common import check_prompt_text, normalise_stop, tool_turn_content
+from .._engines import shared_engine
 from .branches import AnswerKey, BranchDecision, current_collector, decide, make_verifier, normalise_answer
 from .events import (
     RKSCASKSReuseEvent,
@@ -125,8 +130,8 @@ class RKSCLLM(FunctionCallingLLM):
     top_k: int = Field(default=0, description="Keep the k most likely tokens; 0 disables it.", ge=0)
     stop: list[str] = Field(
         default_factory=list,
-        description="Strings that end generation, matched on decoded text, so a stop spanning several tokens works; "
-        "the text is cut before it and it never appears in a stream.",
+        description="Strings that end generation (one string or a list), matched on decoded text, so a stop "
+        "spanning several tokens works; the text is cut before it and it never appears in a stream.",
     )
     seed: int | None = Field(default=None, description="Seed of branch 0 (branch i uses seed + i); None = fresh per call.")
     branches: int = Field(
@@ -152,8 +157,10 @@ class RKSCLLM(FunctionCallingLLM):
         default=None, description="Route query-engine prompts through chat(); default: the tokenizer has a chat template."
     )
     is_function_calling_model: bool | None = Field(
-        default=None,
-        description="Advertise native tool calling to LlamaIndex agents; default: the chat template takes tools.",
+        default=True,
+        description="Advertise tool calling to LlamaIndex (FunctionAgent, FunctionCallingProgram, predict_and_call). "
+        "Default True: rksc decodes calls under the tool's schema with any model. False routes agents to ReAct; "
+        "None advertises it only when the chat template takes tools.",
     )
 
     _engine: RKSCEngine = PrivateAttr()
@@ -168,8 +175,15 @@ class RKSCLLM(FunctionCallingLLM):
         self._params({})  # a bad field combination fails here, not at the first call
         if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
-        self._engine = engine if engine is not None else RKSCEngine.from_pretrained(model, progress=False)
+        # Like LangChain's ChatRKSC: one engine (and prefix cache) per model in the process.
+        self._engine = engine if engine is not None else shared_engine(model)
         self._verifier = make_verifier(self._engine, self.verifier)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        # One stop string is accepted as per call (and as LangChain does), not only a list of them.
+        return [] if value is None else normalise_stop(value)
 
     @classmethod
     def class_name(cls) -> str:
@@ -198,10 +212,7 @@ class RKSCLLM(FunctionCallingLLM):
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> _Prompt:
         """The one formatting of a completion prompt, shared by every complete path."""
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not prompt.strip():
-            raise ValueError("prompt must be a non-empty string")
+        check_prompt_text(prompt)
         if formatted:
             return _Prompt(prompt)
         if self.completion_to_prompt is not default_completion_to_prompt:
@@ -326,8 +337,9 @@ class RKSCLLM(FunctionCallingLLM):
         extra = self._report(result.completion, 1, result.num_generated_tokens)
         extra["finish_reason"] = result.finish_reason
         extra["constrained"] = True
-        delta = result.text if free is None else ""
-        return _Piece(delta, result.text, result.completion, extra, result.tool_calls)
+        text = result.text if prompt.output_schema is not None else tool_turn_content(result.text, self._engine.tokenizer)
+        delta = text if free is None else ""
+        return _Piece(delta, text, result.completion, extra, result.tool_calls)
 
     def _free_tool_turn(self, prompt: _Prompt, params: SamplingParams, completion: Completion) -> _Piece:
         """A free generation with tools offered: a call it started is finished under the schema; a
@@ -335,6 +347,8 @@ class RKSCLLM(FunctionCallingLLM):
         if tool_protocol.stopped_at_tool_call(self._engine.tokenizer, completion):
             return self._constrained(prompt, params, free=completion)
         prose, calls = tool_protocol.parse_tool_calls(completion.text)
+        if calls:
+            prose = tool_turn_content(prose, self._engine.tokenizer)
         return _Piece(completion.text, prose, completion, self._report(completion, 1), tuple(calls))
 
     def _question(self, prompt: EnginePrompt) -> str:

@@ -17,6 +17,8 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from rksc_engine import tools as tool_protocol
 from rksc_engine.tools import ToolCall
 
+from .._common import check_chat_has_text
+
 _ROLE_MAP = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -34,7 +36,8 @@ def to_engine_messages(messages: Sequence[ChatMessage], system_prompt: str | Non
 
     Raises:
         TypeError: An item is not a ``ChatMessage``.
-        ValueError: ``messages`` is empty or a message holds non-text content (images, audio).
+        ValueError: ``messages`` is empty, no message has text or tool calls, or a message holds
+            non-text content (images, audio).
     """
     if isinstance(messages, (str, ChatMessage)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of ChatMessage, got {type(messages).__name__}")
@@ -55,6 +58,7 @@ def to_engine_messages(messages: Sequence[ChatMessage], system_prompt: str | Non
         if role == "tool" and call_id:
             entry["tool_call_id"] = call_id
         out.append(entry)
+    check_chat_has_text(out)  # before the default system prompt, which is not the caller's text
     if system_prompt and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": system_prompt})
     return out

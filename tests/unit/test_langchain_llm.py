@@ -131,5 +131,5 @@ def test_ainvoke_and_astream_leave_the_event_loop_free(engine):
 def test_a_prompt_that_is_not_a_string_is_a_clear_error(llm):
     with pytest.raises((TypeError, ValueError)):
         llm.invoke(12345)
-    with pytest.raises(TypeError, match="non-empty string"):
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a non-empty string"):
         llm.generate([""])

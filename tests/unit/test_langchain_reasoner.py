@@ -103,8 +103,9 @@ def test_a_string_a_question_dict_and_prompt_values_are_the_same_input(engine):
     baseline = reasoner.invoke(QUESTION)
     assert texts(reasoner.invoke({"question": QUESTION})) == texts(baseline)
     assert texts(reasoner.invoke(StringPromptValue(text=QUESTION))) == texts(baseline)
-    messages = few_shot_messages(QUESTION, SHOTS)
-    template = ChatPromptTemplate.from_messages([(m["role"].replace("user", "human").replace("assistant", "ai"),
+    # Chat prompts carry the system message and the question; the field's shots go between them.
+    messages = few_shot_messages(QUESTION, [])
+    template = ChatPromptTemplate.from_messages([(m["role"].replace("user", "human"),
                                                   m["content"].replace("{", "{{").replace("}", "}}"))
                                                  for m in messages])
     chat_value = template.invoke({})
@@ -112,6 +113,8 @@ def test_a_string_a_question_dict_and_prompt_values_are_the_same_input(engine):
     from_chat = reasoner.invoke(chat_value)
     assert texts(from_chat) == texts(baseline) and from_chat.question == QUESTION
     assert texts(reasoner.invoke({"messages": messages})) == texts(baseline)
+    full = few_shot_messages(QUESTION, SHOTS)  # a prompt that already holds its shots: none from the field
+    assert texts(reasoner.invoke({"messages": full, "few_shot": []})) == texts(baseline)
     # A per-input few_shot overrides the field.
     zero_shot = make_reasoner(engine).invoke(QUESTION)
     assert texts(reasoner.invoke({"question": QUESTION, "few_shot": []})) == texts(zero_shot) != texts(baseline)

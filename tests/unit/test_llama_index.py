@@ -73,16 +73,18 @@ def test_metadata_comes_from_the_engine_and_the_fields(llm, tiny_engine):
     assert meta.context_window == tiny_engine.context_window == 512
     assert meta.num_output == 12
     assert meta.is_chat_model is True  # the char tokenizer has a chat template
-    assert meta.is_function_calling_model is False  # ... which does not take tools
+    # rksc decodes tool calls under their schemas itself, whatever the template (this one takes no tools).
+    assert meta.is_function_calling_model is True
     assert meta.model_name == tiny_engine.model_name
 
 
-def test_function_calling_is_advertised_when_the_template_takes_tools_or_the_field_says_so(tiny_model):
+def test_with_the_field_none_function_calling_is_advertised_only_when_the_template_takes_tools(tiny_model):
     tokenizer = make_char_tokenizer()
     tokenizer.chat_template = "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}" + tokenizer.chat_template
-    assert RKSCLLM(engine=RKSCEngine(tiny_model, tokenizer)).metadata.is_function_calling_model is True
+    assert RKSCLLM(engine=RKSCEngine(tiny_model, tokenizer), is_function_calling_model=None).metadata.is_function_calling_model is True
     plain = RKSCEngine(tiny_model, make_char_tokenizer())
-    assert RKSCLLM(engine=plain, is_function_calling_model=True).metadata.is_function_calling_model is True
+    assert RKSCLLM(engine=plain, is_function_calling_model=None).metadata.is_function_calling_model is False
+    assert RKSCLLM(engine=plain, is_function_calling_model=False).metadata.is_function_calling_model is False
 
 
 def test_complete_answers_the_prompt_as_a_user_turn_of_the_chat_template(llm, tiny_engine):
@@ -341,8 +343,8 @@ def test_predict_and_call_offers_the_tools_and_runs_the_call_the_model_makes(mon
 
     # The tool offer is longer than the default tiny model's 512 positions (one character a token).
     engine = RKSCEngine(make_tiny_model(max_positions=4096), make_char_tokenizer())
-    # The char template takes no tools, so function calling is opted into (the default would be ReAct).
-    llm = RKSCLLM(engine=engine, max_new_tokens=12, is_function_calling_model=True)
+    # The char template takes no tools; function calling is advertised anyway (the default).
+    llm = RKSCLLM(engine=engine, max_new_tokens=12)
     prompts = _scripted(engine, monkeypatch, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     result = llm.predict_and_call([FunctionTool.from_defaults(fn=add)], user_msg="What is 2 + 3?")
     assert result.response == "5"

@@ -1,0 +1,221 @@
+"""The scheduler on tiny seeded models: concurrent requests share decode batches without changing
+any request's tokens, streams are plain queue consumers (closed, dropped or stalled from any thread
+without blocking the engine), and cancellation frees a request's rows."""
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from conftest import make_char_tokenizer, make_tiny_model
+
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.config import SchedulerConfig
+from rksc_engine.requests import RequestCancelled
+
+PROMPTS = [
+    "The quick brown fox jumps over",
+    "Q: what is 2+3?\nA:",
+    "x",
+    "A much longer prompt, repeated. " * 6,
+    "Another one",
+]
+
+
+def engine_for(seed: int = 0, **config) -> RKSCEngine:
+    return RKSCEngine(make_tiny_model(seed), make_char_tokenizer(), EngineConfig(**config))
+
+
+def hf_greedy(engine, prompt, max_new_tokens):
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.no_grad():
+        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def alone(engine, prompt, n, params):
+    return [c.token_ids for c in engine.generate_branches(prompt, n, params)]
+
+
+@pytest.mark.parametrize("model_seed", [0, 1])
+def test_concurrent_requests_of_different_lengths_get_the_tokens_they_get_alone(model_seed):
+    engine = engine_for(model_seed)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=20, seed=11)
+    greedy = SamplingParams(max_new_tokens=24)
+    jobs = [(p, 1 + i % 3, sampled if i % 2 else greedy) for i, p in enumerate(PROMPTS)]
+    want = [alone(engine, p, n, params) for p, n, params in jobs]
+    engine.clear_cache()
+    handles = [engine.submit(p, n, params) for p, n, params in jobs]  # all queued before any runs
+    got = [[c.token_ids for c in h.result()] for h in handles]
+    assert got == want, "a request's tokens changed when it shared its batch with other requests"
+    assert engine._scheduler.peak_batch_rows > 3, "the requests were not decoded together"
+
+
+def test_greedy_requests_batched_together_equal_transformers_generate():
+    engine = engine_for(2)
+    handles = [engine.submit(p, 1, SamplingParams(max_new_tokens=16)) for p in PROMPTS]
+    for prompt, handle in zip(PROMPTS, handles):
+        assert handle.result()[0].token_ids == hf_greedy(engine, prompt, 16), prompt
+
+
+def test_generate_many_submits_every_prompt_at_once_and_matches_serial_generation():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=12)
+    serial = [engine.generate(p, params).token_ids for p in PROMPTS]
+    engine.clear_cache()
+    engine._scheduler.peak_batch_rows = 0
+    assert [c.token_ids for c in engine.generate_many(PROMPTS, params)] == serial
+    assert engine._scheduler.peak_batch_rows >= 2
+
+
+def test_max_batch_rows_bounds_the_batch_and_queued_requests_still_finish():
+    engine = engine_for(0, scheduler=SchedulerConfig(max_batch_rows=3))
+    params = SamplingParams(temperature=0.8, max_new_tokens=10, seed=3)
+    want = [alone(engine, p, 2, params) for p in PROMPTS]
+    handles = [engine.submit(p, 2, params) for p in PROMPTS]
+    assert [[c.token_ids for c in h.result()] for h in handles] == want
+    assert engine._scheduler.peak_batch_rows <= 3
+
+
+def test_a_request_wider_than_the_batch_limit_runs_alone():
+    engine = engine_for(0, scheduler=SchedulerConfig(max_batch_rows=2))
+    completions = engine.generate_branches("hello", 5, SamplingParams(temperature=1.0, max_new_tokens=6, seed=0))
+    assert len(completions) == 5
+
+
+def test_a_stream_read_in_one_thread_and_closed_in_another_cancels_it_and_the_engine_goes_on():
+    engine = engine_for(0)
+    stream = engine.stream("hello", SamplingParams(max_new_tokens=400))
+    first = next(stream)
+    assert isinstance(first.text, str)
+    closer = threading.Thread(target=stream.close)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive(), "closing a stream from another thread blocked"
+    # The engine is free at once: a request and stats() finish while nothing else runs.
+    assert engine.generate("x", SamplingParams(max_new_tokens=4)).token_ids == hf_greedy(engine, "x", 4)
+    engine.stats()
+    deadline = time.monotonic() + 5
+    while engine._scheduler.num_running_rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._scheduler.num_running_rows == 0, "the closed stream kept decoding"
+
+
+def test_a_dropped_stream_is_cancelled_and_frees_its_rows():
+    engine = engine_for(0)
+    stream = engine.stream("hello", SamplingParams(max_new_tokens=400))
+    next(stream)
+    del stream
+    gc.collect()
+    engine.generate("x", SamplingParams(max_new_tokens=2))
+    deadline = time.monotonic() + 5
+    while engine._scheduler.num_running_rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._scheduler.num_running_rows == 0
+
+
+def test_a_stalled_stream_consumer_does_not_hold_up_other_requests():
+    engine = engine_for(0)
+    stream = engine.stream("hello", SamplingParams(max_new_tokens=300))
+    next(stream)  # and then never read again
+    started = time.monotonic()
+    done = engine.generate("abc", SamplingParams(max_new_tokens=8))
+    assert done.num_generated_tokens == 8 and time.monotonic() - started < 30
+    stream.close()
+
+
+def test_two_streams_interleave_in_one_thread():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=10)
+    a, b = engine.stream("hello", params), engine.stream("world", params)
+    texts = {"a": "", "b": ""}
+    for chunk_a, chunk_b in zip(a, b):
+        texts["a"] += chunk_a.text
+        texts["b"] += chunk_b.text
+    for rest, key in ((a, "a"), (b, "b")):
+        texts[key] += "".join(c.text for c in rest)
+    assert texts["a"] == engine.generate("hello", params).text
+    assert texts["b"] == engine.generate("world", params).text
+
+
+def test_cancel_fails_result_with_request_cancelled():
+    engine = engine_for(0)
+    with engine.exclusive():  # nothing runs until the block ends, so the cancel lands first
+        handle = engine.submit("hello", 2, SamplingParams(max_new_tokens=50))
+        handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.result(timeout=10)
+
+
+def test_calls_inside_exclusive_are_driven_by_the_holding_thread():
+    engine = engine_for(0)
+    with engine.exclusive():
+        before = engine.stats().decode_tokens
+        engine.generate("hello", SamplingParams(max_new_tokens=5))
+        assert engine.stats().decode_tokens - before == 5
+
+
+def test_threads_sharing_one_engine_each_get_their_serial_answer():
+    engine = engine_for(1)
+    params = SamplingParams(temperature=0.7, max_new_tokens=12, seed=5)
+    want = {p: alone(engine, p, 2, params) for p in PROMPTS}
+    got: dict = {}
+    errors: list = []
+
+    def worker(prompt):
+        try:
+            got[prompt] = alone(engine, prompt, 2, params)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and got == want
+
+
+def test_asyncio_requests_run_concurrently_without_blocking_the_loop():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=10)
+    want = [engine.generate(p, params).token_ids for p in PROMPTS]
+
+    async def main():
+        results = await asyncio.gather(*(engine.agenerate(p, params) for p in PROMPTS))
+        chunks = [c async for c in engine.astream(PROMPTS[0], params)]
+        return results, chunks
+
+    results, chunks = asyncio.run(main())
+    assert [r.token_ids for r in results] == want
+    assert chunks[-1].completion.token_ids == want[0]
+    assert "".join(c.text for c in chunks) == chunks[-1].completion.text
+
+
+def test_a_failing_logits_processor_fails_only_its_request():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=8)
+    want = engine.generate("world", params).token_ids
+
+    def explode(_ids, _logits):
+        raise RuntimeError("processor failed")
+
+    bad = engine.submit("hello", 1, params, logits_processor=explode)
+    good = engine.submit("world", 1, params)
+    with pytest.raises(RuntimeError, match="processor failed"):
+        bad.result(timeout=30)
+    assert good.result(timeout=30)[0].token_ids == want
+
+
+def test_submit_rejects_bad_input_before_anything_is_queued():
+    engine = engine_for(0)
+    before = engine.stats()
+    with pytest.raises(TypeError, match="logits_processor"):
+        engine.submit("hello", 1, None, logits_processor=3)
+    with pytest.raises(ValueError, match="n must be"):
+        engine.submit("hello", 0)
+    assert engine._scheduler.num_waiting == 0
+    assert engine.stats().requests == before.requests
