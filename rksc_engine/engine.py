@@ -618,7 +618,13 @@ class RKSCEngine:
         sequence = prompt_ids + token_ids[:-1]
         if not self._cacheable or len(sequence) <= len(prompt_ids):
             return
-        kv_all = cache.stacked_kv(0) if isinstance(cache, SharedPrefixCache) else _stack_kv(cache)
+        if isinstance(cache, SharedPrefixCache):
+            # Only the generated part is new: the prompt is (or is not, if it did not fit) in the cache.
+            suffix = cache.suffix_kv(0)
+            if suffix.shape[3] == len(sequence) - len(prompt_ids):
+                self.prefix_cache.insert(sequence, suffix, kv_offset=len(prompt_ids))
+            return
+        kv_all = _stack_kv(cache)
         if kv_all.shape[3] == len(sequence):
             self.prefix_cache.insert(sequence, kv_all)
 

@@ -6,16 +6,20 @@ rest, then gives the whole prompt's KV back (``insert``) so that later requests 
 it skip that work. This is the token-exact reuse of SGLang's RadixAttention and vLLM's automatic
 prefix caching, held on the engine's side of ``transformers``.
 
-Blocks:
-    KV is held in blocks aligned to absolute token positions: block ``b`` covers positions
-    ``[b * block_size, (b + 1) * block_size)`` of the sequence. A node stores one tensor per block
-    it overlaps, ``(num_layers, 2, num_kv_heads, num_tokens_in_block, head_dim)``, so only the first
-    and last block of a node can be partial (a node may start or end inside a block). Each block is
-    its own tensor sized to its real tokens, so a partial block counts its real bytes, never a full
-    block's, and ``total_bytes`` is exactly the memory the cache holds.
+Storage and blocks:
+    Each node holds its KV as one tensor ``storage`` of shape ``(num_layers, 2, num_kv_heads,
+    num_tokens, head_dim)``, so a running request can read a node in place, as one attention
+    segment, without copying it (``PrefixMatch.segments``). Accounting and eviction work in blocks
+    aligned to absolute token positions: block ``b`` covers positions ``[b * block_size,
+    (b + 1) * block_size)``; a node's ``blocks`` are views of its storage cut at those boundaries, so
+    only the first and last block of a node can be partial and a partial block counts its real bytes.
+    Splitting a node makes its two parts views of the same memory (nothing is copied); when eviction
+    leaves memory that no node's view covers, the survivors sharing it are compacted into storage of
+    their own, so ``total_bytes`` is the memory the cache holds once every evict has returned.
 
 Invariants:
-    * Each node's blocks hold exactly the KV of its own ``token_ids``, positions following its parent's.
+    * Each node's storage and blocks hold exactly the KV of its own ``token_ids``, positions following
+      its parent's.
     * ``total_bytes <= budget_bytes`` after every allocation: an insert evicts first and then stores
       only what fits (its longest block-aligned leading part), so ``peak_bytes`` never passes the
       budget. (Lowering the budget with ``set_budget`` below the locked bytes is the one way to be
@@ -58,8 +62,9 @@ class RadixNode:
         parent: The node above (None for the root).
         token_ids: This edge's tokens.
         start: Absolute position of ``token_ids[0]`` in the sequence (the parent path's length).
-        blocks: KV of ``token_ids`` as block tensors ``(L, 2, H_kv, t, D)``, split at multiples of
-            the block size.
+        storage: KV of ``token_ids``, ``(L, 2, H_kv, num_tokens, D)`` (None for the root); possibly a
+            view into memory it shares with the other parts of a split node.
+        blocks: Views of ``storage`` cut at multiples of the block size, ``(L, 2, H_kv, t, D)`` each.
         branch_score: Score of the reasoning branch this KV belongs to (1.0 unless a search says
             otherwise).
         depth: Reasoning steps from the root (0 for plain prompts).
@@ -67,7 +72,7 @@ class RadixNode:
         last_access: Logical clock of the last match or insert that used this node.
     """
 
-    __slots__ = ("children", "parent", "token_ids", "start", "blocks", "branch_score", "depth",
+    __slots__ = ("children", "parent", "token_ids", "start", "storage", "blocks", "branch_score", "depth",
                  "lock_ref", "last_access", "node_id")
 
     def __init__(
@@ -86,6 +91,7 @@ class RadixNode:
         self.token_ids = token_ids
         self.start = start
         self.blocks = blocks
+        self.storage: torch.Tensor | None = None
         self.branch_score = branch_score
         self.depth = depth
         self.lock_ref = 0
@@ -94,11 +100,9 @@ class RadixNode:
 
     @property
     def kv(self) -> torch.Tensor | None:
-        """This node's KV as one tensor ``(L, 2, H_kv, num_tokens, D)`` (a copy when it spans
-        several blocks), or None for the root."""
-        if not self.blocks:
-            return None
-        return self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks, dim=3)
+        """This node's KV as one tensor ``(L, 2, H_kv, num_tokens, D)`` (its storage, not a copy), or
+        None for the root."""
+        return self.storage
 
     @property
     def num_bytes(self) -> int:
@@ -170,13 +174,22 @@ class PrefixMatch:
 
     Attributes:
         num_tokens: Length of the matched prefix.
-        kv: KV of the matched prefix, ``(L, 2, H_kv, num_tokens, D)``, or None when nothing matched.
+        segments: The matched nodes' storage in position order, the last one cut to the match, each
+            ``(L, 2, H_kv, t, D)``: the cache's own memory, to read in place while the match is locked.
         last_node: Deepest matched node, to ``lock`` while the request uses the prefix.
     """
 
     num_tokens: int
-    kv: torch.Tensor | None
+    segments: list[torch.Tensor]
     last_node: RadixNode
+
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """KV of the matched prefix as one tensor ``(L, 2, H_kv, num_tokens, D)`` (a copy when it spans
+        several nodes), or None when nothing matched."""
+        if not self.segments:
+            return None
+        return self.segments[0] if len(self.segments) == 1 else torch.cat(self.segments, dim=3)
 
 
 @dataclass(frozen=True)
@@ -283,10 +296,15 @@ class RadixPrefixCache(PrefixCache):
         if max_tokens is not None and matched > max_tokens:
             matched = max_tokens
         if matched == 0:
-            return PrefixMatch(0, None, self.root)
-        blocks = [b for node in path for b in node.blocks]
-        kv = torch.cat(blocks, dim=3) if len(blocks) > 1 else blocks[0]
-        return PrefixMatch(matched, kv[:, :, :, :matched], path[-1])
+            return PrefixMatch(0, [], self.root)
+        segments, covered = [], 0
+        for node in path:
+            take = min(node.num_tokens, matched - covered)
+            if take <= 0:
+                break
+            segments.append(node.storage if take == node.num_tokens else node.storage[:, :, :, :take])
+            covered += take
+        return PrefixMatch(matched, segments, path[-1])
 
     def _walk(self, token_ids: list[int], split: bool, touch: bool) -> tuple[list[RadixNode], int]:
         """The nodes along the longest cached prefix of ``token_ids`` and its length."""
@@ -311,24 +329,16 @@ class RadixPrefixCache(PrefixCache):
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Split ``node`` after ``at`` tokens; returns the new upper part (which keeps the locks).
 
-        Only the block holding the cut is copied into two pieces; the others move as they are, so
-        ``total_bytes`` is unchanged.
+        Nothing is copied: both parts are views of the node's storage (a request reading the node
+        in place goes on reading the same memory), so ``total_bytes`` is unchanged.
         """
         cut = node.start + at  # absolute position of the first token of the lower part
-        upper_blocks, lower_blocks, pos = [], [], node.start
-        for block in node.blocks:
-            width = block.shape[3]
-            if pos + width <= cut:
-                upper_blocks.append(block)
-            elif pos >= cut:
-                lower_blocks.append(block)
-            else:
-                k = cut - pos
-                upper_blocks.append(_own(block[:, :, :, :k]))
-                lower_blocks.append(_own(block[:, :, :, k:]))
-            pos += width
-        upper = RadixNode(node.token_ids[:at], upper_blocks, node.parent, start=node.start,
-                          branch_score=node.branch_score, depth=node.depth, node_id=next(self._ids))
+        upper_storage, lower_storage = node.storage[:, :, :, :at], node.storage[:, :, :, at:]
+        upper = RadixNode(node.token_ids[:at], self._to_blocks(upper_storage, node.start), node.parent,
+                          start=node.start, branch_score=node.branch_score, depth=node.depth, node_id=next(self._ids))
+        upper.storage = upper_storage
+        node.storage = lower_storage
+        lower_blocks = self._to_blocks(lower_storage, cut)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[node.token_ids[0]] = upper
@@ -340,8 +350,11 @@ class RadixPrefixCache(PrefixCache):
         return upper
 
     # -- insert ---------------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], kv: torch.Tensor, *, branch_score: float = 1.0, depth: int = 0) -> int:
-        """Cache the KV of ``token_ids`` (``kv``: ``(L, 2, H_kv, len(token_ids), D)``).
+    def insert(self, token_ids: list[int], kv: torch.Tensor, *, branch_score: float = 1.0, depth: int = 0,
+               kv_offset: int = 0) -> int:
+        """Cache the KV of ``token_ids`` (``kv``: ``(L, 2, H_kv, len(token_ids) - kv_offset, D)``, the
+        KV of ``token_ids[kv_offset:]``; the first ``kv_offset`` tokens must then be cached already,
+        or nothing past the cached part is stored).
 
         Only the part not already cached is stored (copied into blocks the cache owns). Room is made
         before anything is allocated; if the budget cannot hold the whole new part, its longest
@@ -351,11 +364,13 @@ class RadixPrefixCache(PrefixCache):
         Returns:
             The number of newly cached tokens.
         """
-        if kv.dim() != 5 or kv.shape[3] != len(token_ids):
-            raise ValueError(f"kv must be (L, 2, H_kv, {len(token_ids)}, D) for {len(token_ids)} token ids, "
-                             f"got {tuple(kv.shape)}")
+        if not 0 <= kv_offset <= len(token_ids):
+            raise ValueError(f"kv_offset must be in [0, {len(token_ids)}], got {kv_offset}")
+        if kv.dim() != 5 or kv.shape[3] != len(token_ids) - kv_offset:
+            raise ValueError(f"kv must be (L, 2, H_kv, {len(token_ids) - kv_offset}, D) for {len(token_ids)} token "
+                             f"ids from offset {kv_offset}, got {tuple(kv.shape)}")
         path, matched = self._walk(token_ids, split=True, touch=True)
-        if matched == len(token_ids):
+        if matched == len(token_ids) or matched < kv_offset:
             return 0
         parent = path[-1] if path else self.root
         bytes_per_token = kv[:, :, :, :1].numel() * kv.element_size()
@@ -375,9 +390,11 @@ class RadixPrefixCache(PrefixCache):
             if num_new == 0:
                 return 0
             end = matched + num_new
-            leaf = RadixNode(tuple(token_ids[matched:end]), self._to_blocks(kv[:, :, :, matched:end], matched),
+            storage = _own(kv[:, :, :, matched - kv_offset:end - kv_offset])
+            leaf = RadixNode(tuple(token_ids[matched:end]), self._to_blocks(storage, matched),
                              parent, start=matched, branch_score=float(branch_score), depth=int(depth),
                              node_id=next(self._ids))
+            leaf.storage = storage
             leaf.last_access = next(self._clock)
             parent.children[leaf.token_ids[0]] = leaf
             self.total_bytes += leaf.num_bytes
@@ -387,12 +404,13 @@ class RadixPrefixCache(PrefixCache):
         finally:
             self.unlock(parent)
 
-    def _to_blocks(self, kv: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """Cut ``kv`` (``(L, 2, H_kv, T, D)`` for positions ``start..start+T``) at block boundaries."""
-        blocks, pos, end = [], start, start + kv.shape[3]
+    def _to_blocks(self, storage: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """Views of ``storage`` (``(L, 2, H_kv, T, D)`` for positions ``start..start+T``) cut at block
+        boundaries."""
+        blocks, pos, end = [], start, start + storage.shape[3]
         while pos < end:
             stop = min(end, (pos // self.block_size + 1) * self.block_size)
-            blocks.append(_own(kv[:, :, :, pos - start:stop - start]))
+            blocks.append(storage[:, :, :, pos - start:stop - start])
             pos = stop
         return blocks
 
@@ -431,6 +449,7 @@ class RadixPrefixCache(PrefixCache):
             evicted.append(EvictedBlock(leaf.token_ids[-width:], leaf.end - width, size, leaf.omega))
             key = leaf.token_ids[0]
             leaf.token_ids = leaf.token_ids[:-width]
+            leaf.storage = leaf.storage[:, :, :, :-width] if leaf.token_ids else None
             freed += size
             self.total_bytes -= size
             self.total_tokens -= width
@@ -443,7 +462,22 @@ class RadixPrefixCache(PrefixCache):
             del parent.children[key]
             if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.policy.sort_key(parent), parent.node_id, parent))
+        if evicted:
+            self._compact()
         return evicted
+
+    def _compact(self) -> None:
+        """Give the nodes that share memory no node covers any more (what eviction left behind in a
+        split node's storage) storage of their own, so the dead bytes are freed."""
+        by_memory: dict[int, tuple[int, list[RadixNode]]] = {}
+        for node in self._iter_nodes():
+            memory = node.storage.untyped_storage()
+            by_memory.setdefault(memory.data_ptr(), (memory.nbytes(), []))[1].append(node)
+        for nbytes, nodes in by_memory.values():
+            if sum(n.num_bytes for n in nodes) < nbytes:
+                for node in nodes:
+                    node.storage = _own(node.storage)
+                    node.blocks = self._to_blocks(node.storage, node.start)
 
     def _evictable_leaves(self) -> list[RadixNode]:
         return [n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
@@ -567,6 +601,8 @@ class RadixPrefixCache(PrefixCache):
             children_locks = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= children_locks, (
                 f"{where} has lock_ref {node.lock_ref} below its children's {children_locks}")
+            assert node.storage is not None and node.storage.shape[3] == node.num_tokens, (
+                f"{where}: storage does not hold its {node.num_tokens} tokens")
             pos = node.start
             for block in node.blocks:
                 width = block.shape[3]

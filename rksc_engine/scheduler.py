@@ -91,6 +91,7 @@ class _Request:
     num_cached_tokens: int = 0
     exact: bool = True
     asks: ASKSDecision | None = None
+    locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
 
     @property
     def shared(self) -> bool:
@@ -198,7 +199,7 @@ class Scheduler:
         except Exception as error:  # a bug or an unrecoverable fault: fail what is running, stay usable
             logger.exception("scheduler step failed; failing the %d running requests", len(self._running))
             for request in self._running:
-                request.cache = None
+                self._release(request)
                 request.channel.fail(error)
             self._running = []
         finally:
@@ -214,7 +215,7 @@ class Scheduler:
         kept = []
         for request in self._running:
             if request.channel.cancelled.is_set():
-                request.cache = None  # its KV goes with it
+                self._release(request)
                 request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
             else:
                 kept.append(request)
@@ -239,7 +240,7 @@ class Scheduler:
             try:
                 self._start(request)
             except Exception as error:  # this request fails; the others go on
-                request.cache = None
+                self._release(request)
                 request.channel.fail(error)
 
     @torch.inference_mode()
@@ -252,7 +253,8 @@ class Scheduler:
         request.num_cached_tokens = prefilled.num_cached_tokens
         request.exact, request.asks = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
-        request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, shared_prefix)
+        request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, shared_prefix,
+                                           request=request if prefilled.exact else None)
         request.branches = [_Branch(i) for i in range(request.n)]
         request.active = list(range(request.n))
         if not request.params.greedy:
@@ -263,14 +265,43 @@ class Scheduler:
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 
-    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool) -> Any:
-        """The cache ``n`` branches decode with: one copy of the prompt's KV with a preallocated suffix
-        per branch (``SharedPrefixCache``), or the plain ``DynamicCache`` with its row repeated."""
-        if shared_prefix and SharedPrefixCache.can_share(cache):
-            return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=initial_suffix_capacity(max_new))
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        return cache
+    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool, request: _Request | None = None
+                      ) -> Any:
+        """The cache ``n`` branches decode with: the prompt's KV once with a preallocated suffix per
+        branch (``SharedPrefixCache``), or the plain ``DynamicCache`` with its row repeated.
+
+        With ``request`` (an exact prefill), the prompt is read in place from the radix cache, which
+        the prefill has just filled: its matched nodes are locked for the request's life and become
+        its prefix segments, so a prompt prefix shared by many running requests is held (and read
+        per step) once. Only a tail the cache could not hold stays private."""
+        if not (shared_prefix and SharedPrefixCache.can_share(cache)):
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            return cache
+        capacity = initial_suffix_capacity(max_new)
+        engine = self._engine
+        if request is None or not engine._cacheable:
+            return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
+        match = engine.prefix_cache.match_prefix(request.prompt_ids)
+        if match.num_tokens == 0:
+            return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
+        engine.prefix_cache.lock(match.last_node)
+        request.locked_node = match.last_node
+        per_layer = []
+        for index, layer in enumerate(cache.layers):
+            segments = [(seg[index, 0][None], seg[index, 1][None]) for seg in match.segments]  # (1, H_kv, t, D)
+            if match.num_tokens < len(request.prompt_ids):  # the part the cache had no room for
+                segments.append((layer.keys[:, :, match.num_tokens:].clone(),
+                                 layer.values[:, :, match.num_tokens:].clone()))
+            per_layer.append(segments)
+        return SharedPrefixCache.from_segments(per_layer, n, suffix_capacity=capacity)
+
+    def _release(self, request: _Request) -> None:
+        """Drop a request's KV and unlock the radix nodes it read (exactly once)."""
+        request.cache = None
+        if request.locked_node is not None:
+            self._engine.prefix_cache.unlock(request.locked_node)
+            request.locked_node = None
 
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -288,24 +319,33 @@ class Scheduler:
                                           **cache.forward_kwargs())
             except Exception as error:
                 for request in batched:
-                    request.cache = None
+                    self._release(request)
                     request.channel.fail(error)
             else:
                 logits = out.logits[:, -1, :]  # (B, V)
                 for request, (start, stop) in zip(batched, cache.row_ranges):
-                    if self._advance(request, logits[start:stop]):
+                    if self._advance_or_fail(request, logits[start:stop]):
                         still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             try:
                 out = engine._forward(request.next_tokens[:, None], request.cache)
             except Exception as error:
-                request.cache = None
+                self._release(request)
                 request.channel.fail(error)
                 continue
-            if self._advance(request, out.logits[:, -1, :]):
+            if self._advance_or_fail(request, out.logits[:, -1, :]):
                 still_running.append(request)
         kept = {id(r) for r in still_running}
         self._running = [r for r in self._running if id(r) in kept]
+
+    def _advance_or_fail(self, request: _Request, logits: torch.Tensor) -> bool:
+        """``_advance``, but an error (a failing logits processor, say) fails this request alone."""
+        try:
+            return self._advance(request, logits)
+        except Exception as error:
+            self._release(request)
+            request.channel.fail(error)
+            return False
 
     def _advance(self, request: _Request, logits: torch.Tensor) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
@@ -371,8 +411,11 @@ class Scheduler:
 
     def _finish(self, request: _Request) -> None:
         if request.n == 1 and request.exact:  # approximate (ASKS) KV never enters the exact cache
-            self._engine._cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
-        request.cache = None
+            try:
+                self._engine._cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
+            except Exception:  # caching is an optimisation: the request's answer stands without it
+                logger.exception("could not cache the KV of request %d's answer", request.request_id)
+        self._release(request)
         request.channel.finish([self._completion(request, b) for b in request.branches])
         self._engine._after_request()
 

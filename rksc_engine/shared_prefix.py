@@ -401,6 +401,11 @@ class SharedPrefixCache(Cache):
         """The keyword arguments a model forward needs to reach ``shared_prefix_attention``."""
         return {CACHE_KWARG: self}
 
+    def suffix_kv(self, row: int) -> torch.Tensor:
+        """Branch ``row``'s own generated tokens' KV as (L, 2, H_kv, S, D), the radix cache's layout."""
+        return torch.stack([torch.stack((layer.keys[row, :, :layer.num_suffix_tokens],
+                                         layer.values[row, :, :layer.num_suffix_tokens])) for layer in self.layers])
+
     def stacked_kv(self, row: int) -> torch.Tensor:
         """Branch ``row``'s whole sequence (prefix + suffix) as (L, 2, H_kv, T, D), the radix cache's layout."""
         per_layer = []

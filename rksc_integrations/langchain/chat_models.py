@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from uuid import UUID
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal
+from uuid import UUID
 
 from langchain_core.callbacks import (
     AsyncCallbackManager,
@@ -40,8 +40,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from langchain_core.utils.utils import LC_ID_PREFIX
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams

@@ -136,21 +136,24 @@ def test_blocks_are_aligned_to_absolute_positions_and_a_partial_block_counts_its
     assert second.start == 6
     assert block_widths(second) == [2, 3], "the child starts mid-block: positions 6-7, then 8-10"
     assert cache.total_bytes == 11 * BYTES_PER_TOKEN
-    assert all(b.is_contiguous() and b.untyped_storage().nbytes() == b.numel() * 4 for n in (first, second)
-               for b in n.blocks), "each block must own exactly its bytes"
+    assert all(n.storage.is_contiguous() and n.storage.untyped_storage().nbytes() == n.num_bytes
+               for n in (first, second)), "each node's storage must hold exactly its own bytes"
+    assert all(b.untyped_storage().data_ptr() == n.storage.untyped_storage().data_ptr()
+               for n in (first, second) for b in n.blocks), "blocks must be views of their node's storage"
     cache.check_consistency()
 
 
-def test_a_split_copies_only_the_block_holding_the_cut_and_keeps_bytes_exact():
+def test_a_split_copies_nothing_and_keeps_bytes_exact():
     cache = make_cache(block_size=4)
     ids = list(range(1, 11))  # blocks [0-3] [4-7] [8-9]
     cache.insert(ids, kv_for(ids))
     node = cache.root.children[1]
-    untouched = node.blocks[0]
+    memory = node.storage.untyped_storage().data_ptr()
     other = ids[:6] + [50, 51]
     cache.insert(other, kv_for(other))  # splits after position 5, inside block [4-7]
     upper = cache.root.children[1]
-    assert upper.blocks[0] is untouched, "blocks before the cut must move, not be copied"
+    assert upper.storage.untyped_storage().data_ptr() == memory, "the upper part must be a view, not a copy"
+    assert upper.children[7].storage.untyped_storage().data_ptr() == memory, "so must the lower part"
     assert block_widths(upper) == [4, 2]
     assert block_widths(upper.children[7]) == [2, 2]
     assert block_widths(upper.children[50]) == [2]
@@ -158,6 +161,34 @@ def test_a_split_copies_only_the_block_holding_the_cut_and_keeps_bytes_exact():
     assert torch.equal(cache.match_prefix(ids).kv, kv_for(ids))
     assert torch.equal(cache.match_prefix(other).kv, kv_for(other))
     cache.check_consistency()
+
+
+def test_evicting_one_part_of_a_split_node_frees_its_memory_by_compacting_the_other():
+    cache = make_cache(block_size=4)
+    ids = list(range(1, 11))
+    cache.insert(ids, kv_for(ids))
+    other = ids[:6] + [50, 51]
+    cache.insert(other, kv_for(other))
+    upper = cache.root.children[1]
+    shared = upper.storage.untyped_storage().data_ptr()
+    cache.evict(cache.total_bytes - 8 * BYTES_PER_TOKEN)  # the LRU leaf [7..10] goes
+    assert 7 not in upper.children
+    assert upper.storage.untyped_storage().data_ptr() != shared, "the survivor kept the evicted part's memory"
+    assert upper.storage.untyped_storage().nbytes() == upper.num_bytes
+    assert torch.equal(cache.match_prefix(other).kv, kv_for(other))
+    cache.check_consistency()
+
+
+def test_a_match_lends_the_nodes_storage_in_place_as_segments():
+    cache = make_cache(block_size=4)
+    ids = list(range(1, 11))
+    cache.insert(ids, kv_for(ids))
+    cache.insert(ids[:6] + [50, 51], kv_for(ids[:6] + [50, 51]))
+    match = cache.match_prefix(ids[:8] + [99])
+    assert match.num_tokens == 8 and [seg.shape[3] for seg in match.segments] == [6, 2]
+    node = cache.root.children[1]
+    assert match.segments[0].data_ptr() == node.storage.data_ptr(), "a segment must be the node's own memory"
+    assert torch.equal(torch.cat(match.segments, dim=3), kv_for(ids)[:, :, :, :8])
 
 
 def test_eviction_takes_trailing_blocks_so_a_long_leaf_keeps_its_prefix():
