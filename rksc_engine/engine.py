@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,18 +32,18 @@ from typing import Any
 import torch
 
 from . import asks
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, check_branch_seeds
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .memory import run_with_oom_retry
 from .prefix_cache import RadixPrefixCache
 from .requests import LogitsProcessor, RequestHandle
 from .scheduler import Scheduler
-from .shared_prefix import (
-    ProbeResult,
-    SharedPrefixCache,
-    probe,
-)
+from .shared_prefix import ProbeResult, SharedPrefixCache, initial_suffix_capacity, probe
 from .types import ASKSDecision, Completion, EngineStats, StreamChunk
+
+logger = logging.getLogger(__name__)
+# Inconclusive shared-prefix probes (exceptions) tolerated before the fast path is given up.
+MAX_PROBE_ATTEMPTS = 3
 
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
@@ -104,6 +105,8 @@ class RKSCEngine:
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._shared_prefix_probe: ProbeResult | None = None  # probed on first decode, see _use_shared_prefix
         self._scheduler = Scheduler(self)
+        self._probe_failures = 0
+        self._oom_since_relax = False
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -185,9 +188,13 @@ class RKSCEngine:
         """Token ids of a prompt: a string (tokenised as ``tokenizer(prompt)`` does), a list of chat
         messages (rendered with the model's chat template, generation prompt appended), or token ids.
         """
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError(f"prompt must be a string, a list of chat messages or a list of token ids, got "
+                            f"{type(prompt).__name__}; decode bytes first (prompt.decode('utf-8'))")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string, list of chat messages or token ids")
+            _check_encodable(prompt, "prompt")
             ids = list(self._tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = len(self._tokenizer)
@@ -214,6 +221,9 @@ class RKSCEngine:
         return self._encode_chat(list(messages), **template_kwargs)
 
     def _encode_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
+        # Extra keys (LangChain's ``name``, ``id``, ``tool_calls``...) go to the chat template as they
+        # are, which uses what it knows; any non-empty history of known roles is accepted, an
+        # assistant-only one included (the model then writes the next assistant turn).
         for i, message in enumerate(messages):
             role = message.get("role")
             if role not in CHAT_ROLES:
@@ -221,6 +231,7 @@ class RKSCEngine:
             content = message.get("content")
             if not isinstance(content, str):
                 raise TypeError(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
+            _check_encodable(content, f"messages[{i}]['content']")
         if not getattr(self._tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass the prompt as a string")
         text = self.render_chat(messages, **template_kwargs)
@@ -231,6 +242,15 @@ class RKSCEngine:
         return self._tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **template_kwargs
         )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes over all layers (keys and values), at the model's dtype."""
+        cfg = self._model.config.get_text_config() if hasattr(self._model.config, "get_text_config") else self._model.config
+        num_heads = int(cfg.num_attention_heads)
+        num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        return 2 * int(cfg.num_hidden_layers) * num_kv_heads * head_dim * self.dtype.itemsize
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -251,6 +271,21 @@ class RKSCEngine:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context window is {self.context_window}, "
                 f"so the prompt must have at most {self.context_window - 1}"
+            )
+        if params.seed is not None:
+            check_branch_seeds(params.seed, n)
+        # Every branch gets its own suffix buffer up front: refuse a request whose buffers alone
+        # could not fit in the cache budget, before any work.
+        max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
+        suffix_bytes = n * initial_suffix_capacity(max_new) * self.kv_bytes_per_token
+        budget = self.prefix_cache.configured_budget_bytes
+        if suffix_bytes > budget:
+            most = max(1, budget // (initial_suffix_capacity(max_new) * self.kv_bytes_per_token))
+            raise ValueError(
+                f"n={n} branches of up to {max_new} new tokens need {suffix_bytes / 2**20:,.0f} MiB of KV "
+                f"({self.kv_bytes_per_token:,} bytes per token), more than the cache budget of "
+                f"{budget / 2**20:,.0f} MiB (rsbcm.cache_budget_mb): n can be at most {most} here; lower n or "
+                f"max_new_tokens, or raise rsbcm.cache_budget_mb"
             )
         return params
 
@@ -411,11 +446,20 @@ class RKSCEngine:
         )
 
     def _after_request(self) -> None:
-        """A request finished: memory pressure has eased, so the cache budget may grow back."""
+        """A request finished: if no pass ran out of memory since the last one, memory pressure has
+        eased, so a budget shrunk by an earlier out-of-memory error grows back a step."""
+        cache = self.prefix_cache
+        if self._oom_since_relax:
+            self._oom_since_relax = False
+        elif cache.budget_bytes < cache.configured_budget_bytes:
+            cache.relax_budget(self.config.rsbcm.oom_budget_restore)
 
     def _free_memory_after_oom(self, error: BaseException, attempt: int) -> None:
         self._stats.oom_retries += 1
-        self.prefix_cache.shrink_budget(self.config.rsbcm.oom_budget_shrink)
+        self._oom_since_relax = True
+        # Never below what the largest prompt being served needs, or the cache could not hold it.
+        floor = self._scheduler.largest_prompt_tokens() * self.kv_bytes_per_token
+        self.prefix_cache.shrink_budget(self.config.rsbcm.oom_budget_shrink, min_budget_bytes=max(1, floor))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -603,7 +647,20 @@ class RKSCEngine:
         if mode == "dynamic_cache":
             return False
         if self._shared_prefix_probe is None:
-            self._shared_prefix_probe = probe(self._model, self._forward)
+            result = probe(self._model, self._forward)
+            if result.inconclusive:
+                # No verdict: this request takes the plain path; a later one probes again, and after
+                # a few failures in a row the path is given up (and the reason kept in the probe).
+                self._stats.extra["shared_prefix_probe_errors"] = self._stats.extra.get(
+                    "shared_prefix_probe_errors", 0) + 1
+                self._probe_failures += 1
+                logger.warning("shared-prefix probe did not complete (%s); retrying on a later request",
+                               result.reason)
+                if self._probe_failures < MAX_PROBE_ATTEMPTS:
+                    if mode == "shared_prefix":
+                        raise RuntimeError(f"the shared-prefix probe did not complete: {result.reason}")
+                    return False
+            self._shared_prefix_probe = result
         if mode == "shared_prefix" and not self._shared_prefix_probe.supported:
             raise ValueError(
                 "decode_attention='shared_prefix' is not supported by this model "
@@ -653,6 +710,16 @@ class CachedPrefix:
         body = engine.model.get_decoder()
         forward = lambda: body(input_ids=input_ids, use_cache=True, **{engine._cache_kwarg: self.cache})  # noqa: E731
         return engine._run_with_oom_retry(forward, self.cache).last_hidden_state
+
+
+def _check_encodable(text: str, name: str) -> None:
+    """``ValueError`` naming ``name`` when ``text`` cannot be UTF-8 encoded (a lone surrogate), which the
+    tokenizer would otherwise report as an opaque ``TypeError``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} is not valid Unicode text: {error.reason} at index {error.start} "
+                         f"({text[error.start:error.end]!r}); remove or replace it") from None
 
 
 def _stack_kv(cache: Any) -> torch.Tensor:

@@ -148,6 +148,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def largest_prompt_tokens(self) -> int:
+        """Prompt length of the longest request running or waiting (0 when there is none)."""
+        return max((len(r.prompt_ids) for r in [*self._running, *self._waiting]), default=0)
+
     @property
     def num_running_rows(self) -> int:
         return sum(len(r.active) for r in self._running)

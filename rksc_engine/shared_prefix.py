@@ -549,6 +549,9 @@ class ProbeResult:
     supported: bool
     reason: str = ""
     max_abs_logit_diff: float = 0.0
+    # True when the probe could not run (an exception other than an unsupported feature): it says
+    # nothing about the model, so the engine probes again on a later request.
+    inconclusive: bool = False
 
 
 def probe(model: Any, forward: Any) -> ProbeResult:
@@ -580,8 +583,10 @@ def probe(model: Any, forward: Any) -> ProbeResult:
             want = forward(step, plain).logits[:, -1].float()
             with attention_implementation(model, ATTENTION_NAME):
                 got = forward(step, shared, **shared.forward_kwargs()).logits[:, -1].float()
-    except Exception as error:  # any failure means: not supported, use the plain path
-        return ProbeResult(False, f"shared-prefix forward failed: {type(error).__name__}: {error}")
+    except NotImplementedError as error:  # a layer the split attention refuses (soft-capping, windows, ...)
+        return ProbeResult(False, f"shared-prefix forward is not supported: {error}")
+    except Exception as error:  # out of memory, an interrupted kernel...: try again later
+        return ProbeResult(False, f"shared-prefix probe failed: {type(error).__name__}: {error}", inconclusive=True)
     if shared.num_attention_calls != len(layers):
         return ProbeResult(
             False, f"the model ran shared_prefix_attention in {shared.num_attention_calls} of {len(layers)} layers"

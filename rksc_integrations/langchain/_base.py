@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from langchain_core.callbacks import CallbackManager, CallbackManagerForLLMRun, dispatch_custom_event
+from langchain_core.runnables import RunnableConfig
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
@@ -222,3 +223,14 @@ def _stop_list(value: Any, name: str) -> list[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         raise TypeError(f"{name} must be a string or a list of strings, got {value!r}")
     return list(value)
+
+
+def all_at_once(config: RunnableConfig | list[RunnableConfig] | None, num_inputs: int
+                ) -> RunnableConfig | list[RunnableConfig]:
+    """``config`` with ``max_concurrency`` defaulting to every input at once: each input's thread only
+    waits on its engine request, so all of them should be submitted before any finishes (LangChain's
+    default pool would cap that at a few workers)."""
+    width = max(1, num_inputs)
+    if isinstance(config, list):
+        return [{"max_concurrency": width, **c} for c in config]
+    return {"max_concurrency": width, **(config or {})}

@@ -50,7 +50,7 @@ from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolRequest
 
 from .._async import iterate_in_thread
 from .._common import tool_turn_content
-from ._base import RKSCFields, custom_events
+from ._base import RKSCFields, all_at_once, custom_events
 from .messages import to_engine_messages
 
 # Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
@@ -206,6 +206,10 @@ class ChatRKSC(RKSCFields, BaseChatModel):
             generations = [ChatGeneration(message=m, generation_info=dict(m.response_metadata)) for m in messages_out]
             return ChatResult(generations=generations, llm_output=_llm_output(messages_out, self.model_name))
         completions = self.engine.generate_branches(request.prompt_ids, request.n, request.params)
+        return self._chat_result(completions, request, run_manager)
+
+    def _chat_result(self, completions: list[Completion], request: _Request,
+                     run_manager: CallbackManagerForLLMRun | None) -> ChatResult:
         report = self.report(completions[0], request.n, run_manager)
         generations = []
         for completion in completions:
@@ -214,6 +218,11 @@ class ChatRKSC(RKSCFields, BaseChatModel):
             generations.append(ChatGeneration(message=message, generation_info=dict(message.response_metadata)))
         return ChatResult(generations=generations, llm_output=_llm_output([g.message for g in generations], self.model_name))
 
+    def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
+              return_exceptions: bool = False, **kwargs: Any) -> list[BaseMessage]:
+        # Every input submitted at once, so the scheduler decodes them together.
+        return super().batch(inputs, all_at_once(config, len(inputs)), return_exceptions=return_exceptions, **kwargs)
+
     async def _agenerate(
         self,
         messages: list[BaseMessage],
@@ -221,9 +230,17 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        # The engine is synchronous and holds its lock for a whole generation: a worker thread does it.
+        # The branches are awaited from the engine's scheduler, batched with every other request (no
+        # thread). Calls whose result needs more engine calls (tool calls finished under their schema,
+        # constrained answers) run in a worker thread, so the event loop never waits on the engine.
         sync_manager = run_manager.get_sync() if run_manager else None
-        return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+        request = self._request(messages, stop, kwargs)
+        if self.streaming or request.constrained_from_start:
+            return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
+        completions = await self.engine.submit(request.prompt_ids, request.n, request.params)
+        if request.tools is not None:
+            return await asyncio.to_thread(self._chat_result, completions, request, sync_manager)
+        return self._chat_result(completions, request, sync_manager)
 
     def _stream(
         self,
@@ -252,12 +269,18 @@ class ChatRKSC(RKSCFields, BaseChatModel):
             elif piece.text:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
         assert completion is not None  # the engine's last chunk always carries it
+        yield self._last_stream_chunk(completion, tail, request, run_manager, dispatch)
+
+    def _last_stream_chunk(self, completion: Completion, tail: str, request: _Request,
+                           run_manager: CallbackManagerForLLMRun | None, dispatch: bool) -> ChatGenerationChunk:
+        """The final chunk of a stream: the text not yet streamed and the whole message's metadata (a
+        tool call the model started is finished under its schema here)."""
         report = self.report(completion, 1, run_manager, dispatch=dispatch)
         message = self._message(completion, request)
         message.response_metadata["rksc_cache_reuse"] = report
         streamed = completion.text[: len(completion.text) - len(tail)]
         message.content = message.content[len(streamed):] if isinstance(message.content, str) else message.content
-        yield _last_chunk(message)
+        return _last_chunk(message)
 
     def stream(
         self, input: LanguageModelInput, config: RunnableConfig | None = None, *, stop: list[str] | None = None,
@@ -306,8 +329,26 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         sync_manager = run_manager.get_sync() if run_manager else None
-        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
-            yield chunk
+        request = self._request(messages, stop, kwargs)
+        if request.n != 1 or request.constrained_from_start:
+            async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
+                yield chunk
+            return
+        # Read from the engine's scheduler as it decodes (no thread per stream); only the last chunk,
+        # which may finish a tool call with more engine calls, is built in a worker thread.
+        completion: Completion | None = None
+        tail = ""
+        async for piece in self.engine.astream(request.prompt_ids, request.params):
+            if piece.completion is not None:
+                completion, tail = piece.completion, piece.text
+            elif piece.text:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+        assert completion is not None
+        dispatch = run_manager is not None
+        if request.tools is not None:
+            yield await asyncio.to_thread(self._last_stream_chunk, completion, tail, request, sync_manager, dispatch)
+        else:
+            yield self._last_stream_chunk(completion, tail, request, sync_manager, dispatch)
 
     # -- results --------------------------------------------------------------------------------
     def _message(self, completion: Completion, request: _Request) -> AIMessage:

@@ -19,7 +19,6 @@ from pydantic import ConfigDict
 
 from rksc_engine import Completion
 
-from .._async import iterate_in_thread
 from .._common import check_prompt_text
 from ._base import RKSCFields
 
@@ -58,8 +57,13 @@ class RKSCLLM(RKSCFields, BaseLLM):
         if n == 1:
             # One engine call for the whole batch: a prefix the prompts share is computed once.
             per_prompt = [[c] for c in self.engine.generate_many(prompts, params)]
-        else:
-            per_prompt = [self.engine.generate_branches(p, n, params) for p in prompts]
+        else:  # every prompt submitted before any is waited on: the scheduler decodes them together
+            handles = [self.engine.submit(p, n, params) for p in prompts]
+            per_prompt = [h.result() for h in handles]
+        return self._llm_result(per_prompt, n, run_manager)
+
+    def _llm_result(self, per_prompt: list[list[Completion]], n: int,
+                    run_manager: CallbackManagerForLLMRun | None) -> LLMResult:
         generations = []
         for completions in per_prompt:
             report = self.report(completions[0], n, run_manager)
@@ -82,9 +86,15 @@ class RKSCLLM(RKSCFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        # The engine is synchronous and holds its lock for a whole generation: a worker thread does it.
+        # Awaited from the engine's scheduler (no thread): all prompts are submitted at once.
         sync_manager = run_manager.get_sync() if run_manager else None
-        return await asyncio.to_thread(self._generate, prompts, stop, sync_manager, **kwargs)
+        for i, prompt in enumerate(prompts):
+            check_prompt_text(prompt, f"prompts[{i}]")
+        params, n = self.sampling_params(kwargs, stop)
+        if self.streaming and len(prompts) == 1 and n == 1:
+            return await asyncio.to_thread(self._generate, prompts, stop, sync_manager, **kwargs)
+        handles = [self.engine.submit(p, n, params) for p in prompts]
+        return self._llm_result([await h for h in handles], n, sync_manager)
 
     def _stream(
         self,
@@ -118,8 +128,21 @@ class RKSCLLM(RKSCFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        sync_manager = run_manager.get_sync() if run_manager else None
-        async for chunk in iterate_in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
+        check_prompt_text(prompt)
+        params, n = self.sampling_params(kwargs, stop)
+        if n != 1:
+            raise ValueError(f"streaming produces one generation; n must be 1, got {n}")
+        async for piece in self.engine.astream(prompt, params):  # from the scheduler, no thread
+            if piece.completion is not None:
+                report = self.report(piece.completion, 1, run_manager.get_sync() if run_manager else None)
+                info = self._generation(piece.completion, report).generation_info
+                chunk = GenerationChunk(text=piece.text, generation_info=info)
+            elif piece.text:
+                chunk = GenerationChunk(text=piece.text)
+            else:
+                continue
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
     def _generation(self, completion: Completion, report: dict[str, Any]) -> Generation:

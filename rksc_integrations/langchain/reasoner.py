@@ -69,7 +69,7 @@ from rksc_engine.verifier import CallableVerifier, Verifier
 
 from .._common import normalise_stop
 from .._engines import shared_engine
-from ._base import CACHE_EVENT
+from ._base import CACHE_EVENT, all_at_once
 from .messages import content_text
 
 VOTE_EVENT = "rksc_vote"
@@ -479,15 +479,6 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def all_at_once(config: RunnableConfig | list[RunnableConfig] | None, num_inputs: int
-                ) -> RunnableConfig | list[RunnableConfig]:
-    """``config`` with ``max_concurrency`` defaulting to every input at once."""
-    width = max(1, num_inputs)
-    if isinstance(config, list):
-        return [{"max_concurrency": width, **c} for c in config]
-    return {"max_concurrency": width, **(config or {})}
-
-
 def _check_question(question: Any) -> str:
     if not isinstance(question, str):
         raise TypeError(f"the question must be a string, got {type(question).__name__}")

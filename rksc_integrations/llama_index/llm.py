@@ -308,9 +308,26 @@ class RKSCLLM(FunctionCallingLLM):
             completion = self._engine.generate(prompt.prompt, _with_tool_stop(params))
             return self._free_tool_turn(prompt, params, completion)
         if n == 1:
-            completion = self._engine.generate(prompt.prompt, params)
+            return self._branches_piece(prompt, [self._engine.generate(prompt.prompt, params)], 1, collector)
+        return self._branches_piece(prompt, self._engine.generate_branches(prompt.prompt, n, params), n, collector)
+
+    async def _agenerate(self, prompt: _Prompt, kwargs: dict[str, Any], collector: list | None = None) -> _Piece:
+        """``_generate`` for asyncio: the branches are awaited from the engine's scheduler (batched with
+        every other request, no thread); tool turns and the verifier's pass run in a worker thread."""
+        params, n = self._params(kwargs)
+        if prompt.tools is not None or prompt.output_schema is not None:
+            return await run_in_thread(self._generate, prompt, kwargs, collector)
+        completions = await self._engine.submit(prompt.prompt, n, params)
+        if n == 1:
+            return self._branches_piece(prompt, completions, n, collector)
+        return await run_in_thread(self._branches_piece, prompt, completions, n, collector)
+
+    def _branches_piece(self, prompt: _Prompt, completions: list[Completion], n: int, collector: list | None) -> _Piece:
+        """The piece of a free generation of ``n`` branches: the branch itself, or the one the vote and
+        CGEE chose."""
+        if n == 1:
+            completion = completions[0]
             return _Piece(completion.text, completion.text, completion, self._report(completion, 1))
-        completions = self._engine.generate_branches(prompt.prompt, n, params)
         decision = decide(
             completions, self.answer_key, self._cgee(), question=self._question(prompt.prompt), verifier=self._verifier
         )
@@ -396,6 +413,23 @@ class RKSCLLM(FunctionCallingLLM):
 
         return pieces()
 
+    async def _astream(self, prompt: _Prompt, kwargs: dict[str, Any]) -> AsyncIterator[_Piece]:
+        """``_stream`` for asyncio: a plain one-branch stream is read from the engine's scheduler as it
+        decodes (no thread); votes, tool turns and constrained answers go through a worker thread."""
+        params, n = self._params(kwargs)
+        if prompt.tools is not None or prompt.output_schema is not None or n > 1:
+            async for piece in iterate_in_thread(lambda: self._stream(prompt, kwargs)):
+                yield piece
+            return
+        text = ""
+        async for chunk in self._engine.astream(prompt.prompt, params):
+            text += chunk.text
+            if chunk.completion is None:
+                if chunk.text:
+                    yield _Piece(chunk.text, text)
+            else:
+                yield _Piece(chunk.text, text, chunk.completion, self._report(chunk.completion, 1))
+
     # -- completion endpoints -------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -409,7 +443,7 @@ class RKSCLLM(FunctionCallingLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         engine_prompt = self._completion_prompt(prompt, formatted)
-        return _completion_response(await run_in_thread(self._generate, engine_prompt, kwargs, current_collector()))
+        return _completion_response(await self._agenerate(engine_prompt, kwargs, current_collector()))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -417,7 +451,7 @@ class RKSCLLM(FunctionCallingLLM):
         self._params(kwargs)  # bad options raise here, at the await, not inside the stream
 
         async def gen() -> AsyncIterator[CompletionResponse]:
-            async for piece in iterate_in_thread(lambda: self._stream(engine_prompt, kwargs)):
+            async for piece in self._astream(engine_prompt, kwargs):
                 yield _completion_response(piece)
 
         return gen()
@@ -455,7 +489,7 @@ class RKSCLLM(FunctionCallingLLM):
         tool_choice: Any = None, output_schema: dict[str, Any] | None = None, **kwargs: Any,
     ) -> ChatResponse:
         engine_prompt = self._chat_prompt(messages, tools, tool_required, tool_choice, output_schema)
-        return _chat_response(await run_in_thread(self._generate, engine_prompt, kwargs, current_collector()))
+        return _chat_response(await self._agenerate(engine_prompt, kwargs, current_collector()))
 
     @llm_chat_callback()
     async def astream_chat(
@@ -466,7 +500,7 @@ class RKSCLLM(FunctionCallingLLM):
         self._params(kwargs)
 
         async def gen() -> AsyncIterator[ChatResponse]:
-            async for piece in iterate_in_thread(lambda: self._stream(engine_prompt, kwargs)):
+            async for piece in self._astream(engine_prompt, kwargs):
                 yield _chat_response(piece)
 
         return gen()

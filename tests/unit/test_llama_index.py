@@ -221,21 +221,16 @@ def test_llama_index_callbacks_see_every_endpoint(tiny_engine):
 
 
 # -- async --------------------------------------------------------------------------------------
-def _slow(engine, monkeypatch, delay: float = 0.05):
-    """Make the engine block its thread (as a real model does) so a blocked loop would show."""
-    generate, stream = engine.generate, engine.stream
+def _slow(engine, monkeypatch, delay: float = 0.03):
+    """Make every model pass block the engine's thread (as a real model does), so a loop that waited
+    on the engine would show."""
+    forward = engine.model.forward
 
-    def slow_generate(*args, **kwargs):
-        time.sleep(delay * 6)
-        return generate(*args, **kwargs)
+    def slow_forward(*args, **kwargs):
+        time.sleep(delay)
+        return forward(*args, **kwargs)
 
-    def slow_stream(*args, **kwargs):
-        for chunk in stream(*args, **kwargs):
-            time.sleep(delay)
-            yield chunk
-
-    monkeypatch.setattr(engine, "generate", slow_generate)
-    monkeypatch.setattr(engine, "stream", slow_stream)
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
 
 
 def test_acomplete_does_not_block_the_event_loop(llm, tiny_engine, monkeypatch):
