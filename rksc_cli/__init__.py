@@ -8,7 +8,6 @@ both so that neither imports the other: the engine never depends on its benchmar
 from __future__ import annotations
 
 import argparse
-import sys
 
 import rksc_bench.cli
 import rksc_engine.cli
@@ -28,12 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rksc`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, TypeError) as exc:
-        print(f"rksc: error: {exc}", file=sys.stderr)
-        return 2
+    return rksc_engine.cli.dispatch(build_parser(), argv)
 
 
 __all__ = ["build_parser", "main"]

@@ -53,6 +53,7 @@ import torch
 from .config import ASKSConfig
 from .memory import roll_back
 from .model_parts import decoder_parts
+from .tokens import common_prefix_length
 from .types import ASKSDecision
 
 # RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
@@ -84,13 +85,6 @@ class Alignment:
         return self.request_span_tokens - self.cached_span_tokens
 
 
-def _common_length(a: Sequence[int], a_start: int, b: Sequence[int], b_start: int, limit: int) -> int:
-    n = 0
-    while n < limit and a_start + n < len(a) and b_start + n < len(b) and a[a_start + n] == b[b_start + n]:
-        n += 1
-    return n
-
-
 def align_after_prefix(
     request_ids: Sequence[int], cached_ids: Sequence[int], max_span_tokens: int, min_reuse_tokens: int
 ) -> Alignment | None:
@@ -107,7 +101,7 @@ def align_after_prefix(
         >>> align_after_prefix([1, 2, 7, 7, 3, 4, 5, 6], [1, 2, 9, 3, 4, 5, 6], 4, 3)
         Alignment(cached_ids=(1, 2, 9, 3, 4, 5, 6), prefix_tokens=2, request_span_tokens=2, cached_span_tokens=1, remainder_tokens=3)
     """
-    prefix = _common_length(request_ids, 0, cached_ids, 0, min(len(request_ids), len(cached_ids)))
+    prefix = common_prefix_length(request_ids, cached_ids)
     reusable_end = len(request_ids) - 1  # exclusive: the last request token is never reused
     anchor = max(1, min(min_reuse_tokens, 8))
     # Positions b of every anchor n-gram in the cached sequence's candidate realignment window.
@@ -122,7 +116,8 @@ def align_after_prefix(
         if prefix + a + anchor > reusable_end:
             break
         for b in starts.get(tuple(request_ids[prefix + a:prefix + a + anchor]), ()):
-            m = _common_length(request_ids, prefix + a, cached_ids, prefix + b, reusable_end - prefix - a)
+            m = common_prefix_length(request_ids, cached_ids, a_start=prefix + a, b_start=prefix + b,
+                                     limit=reusable_end - prefix - a)
             key = (m, -(a + b), a, b)
             if m >= min_reuse_tokens and (best is None or key > best):
                 best = key
@@ -159,7 +154,7 @@ def exact_match_length(prefix_cache: Any, request_ids: Sequence[int]) -> int:
         child = node.children.get(request_ids[depth])
         if child is None:
             break
-        common = _common_length(child.token_ids, 0, request_ids, depth, len(child.token_ids))
+        common = common_prefix_length(child.token_ids, request_ids, b_start=depth)
         depth += common
         if common < len(child.token_ids):
             break
@@ -180,7 +175,7 @@ def candidate_sequences(prefix_cache: Any, request_ids: Sequence[int], max_candi
         branches.extend((depth, child) for child in node.children.values() if child is not follow)
         if follow is None:
             break
-        common = _common_length(follow.token_ids, 0, request_ids, depth, len(follow.token_ids))
+        common = common_prefix_length(follow.token_ids, request_ids, b_start=depth)
         if common < len(follow.token_ids):
             branches.append((depth + common, follow))  # the request leaves this edge part-way
             break

@@ -88,13 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand (its ``args.func``); returns the exit status.
+
+    A ``ValueError``/``TypeError`` (a bad argument the subcommand found) is printed as
+    ``rksc: error: ...`` with status 2, like argparse's own usage errors, instead of a traceback.
+    """
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:
         print(f"rksc: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch(build_parser(), argv)
 
 
 if __name__ == "__main__":

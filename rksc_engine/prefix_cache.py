@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tokens import common_prefix_length
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -228,14 +230,6 @@ class PrefixCache(ABC):
     def evict(self, num_bytes: int) -> int: ...
 
 
-def _common_prefix_length(a: tuple[int, ...], b: list[int], start: int) -> int:
-    limit = min(len(a), len(b) - start)
-    i = 0
-    while i < limit and a[i] == b[start + i]:
-        i += 1
-    return i
-
-
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy that owns its storage, so a block's bytes are exactly its own."""
     return t.clone(memory_format=torch.contiguous_format)
@@ -314,7 +308,7 @@ class RadixPrefixCache(PrefixCache):
             child = node.children.get(token_ids[i])
             if child is None:
                 break
-            common = _common_prefix_length(child.token_ids, token_ids, i)
+            common = common_prefix_length(child.token_ids, token_ids, b_start=i)
             if common < child.num_tokens:
                 if not split:
                     break

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .answers import extract_gsm8k_answer
+from .answers import extract_gsm8k_answer, majority_vote
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
 from .config import CGEEConfig, SamplingParams
 from .datasets import Problem, check_problems, few_shot_messages
-from .verifier import CallableVerifier, CandidateScore, LLMJudgeVerifier, Verifier
+from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
 AnswerExtractor = Callable[[str], "str | None"]
 _LETTER = re.compile(r"(?:answer(?: is)?\s*[:(]?\s*|\(|^|\s)([A-E])(?:\)|\.|\s|$)", re.IGNORECASE | re.MULTILINE)
@@ -164,11 +164,10 @@ def resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verif
         if judge is None:
             judge = _DEFAULT_JUDGES[engine] = LLMJudgeVerifier(engine)
         return judge
-    if isinstance(verifier, Verifier):
-        return verifier
-    if callable(verifier):
-        return CallableVerifier(verifier)
-    raise TypeError(f"verifier must be a Verifier, a callable or None, got {type(verifier).__name__}")
+    resolved = as_verifier(verifier)
+    if resolved is None:
+        raise TypeError(f"verifier must be a Verifier, a callable or None, got {type(verifier).__name__}")
+    return resolved
 
 
 def reason(
@@ -260,17 +259,23 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
     """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``."""
     branches = [BranchAnswer(c.text, plan.extract(c.text), c.confidence) for c in completions]
     answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
-    votes = Counter(b.answer for b in branches if b.answer is not None)
+    _, votes = majority_vote([b.answer for b in branches])
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions))
 
 
 def verify_and_pick(
-    question: str, branches: Sequence[BranchAnswer], judge: Verifier, cgee: CGEEConfig
+    question: str, branches: Sequence[BranchAnswer], judge: Verifier | None, cgee: CGEEConfig
 ) -> tuple[str | None, VerificationReport, VoteSummary]:
-    """The CGEE decision for already generated branches: skip or verify, then pick the answer."""
+    """The CGEE decision for already generated branches: skip or verify, then pick the answer.
+
+    ``judge=None`` votes only: the confidence-weighted vote winner is the answer, and the report
+    still says whether CGEE level 1 would have skipped verification.
+    """
     summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
     skip, why = should_skip(summary, cgee)
     report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
+    if judge is None:
+        return summary.winner, report, summary
     candidates = [answer for answer, _ in summary.shares]
     if skip:
         estimate = getattr(judge, "estimate_full_s", None)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import SamplingParams
+from .memory import ForwardOutOfMemoryError, is_out_of_memory
 from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .sampling import choose_next_tokens, make_generators
 from .shared_prefix import (
@@ -67,6 +68,7 @@ class _Branch:
     finish_reason: str | None = None
     emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
     pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
+    skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
 
 
 @dataclass(eq=False)
@@ -92,6 +94,10 @@ class _Request:
     exact: bool = True
     asks: ASKSDecision | None = None
     locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
+    admissions: int = 0  # how often it was admitted (more than once after a preemption)
+    # After a preemption: per branch, how many tokens and characters its stream already delivered, so
+    # the recomputed branch (the same tokens: same prompt, same seeds) does not deliver them twice.
+    delivered: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def shared(self) -> bool:
@@ -112,6 +118,10 @@ class Scheduler:
         self.num_steps = 0
         self.peak_batch_rows = 0
         self.peak_running_kv_bytes = 0
+        self.num_preemptions = 0
+        # Set by a preemption: the rows that last fitted, which admission respects until a request
+        # finishes (else the preempted request would be re-admitted into the same shortage at once).
+        self._rows_cap: int | None = None
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
@@ -235,7 +245,8 @@ class Scheduler:
                     return
                 request = self._waiting[0]
                 rows = self.num_running_rows
-                if self._running and rows + request.n > config.max_batch_rows:
+                limit = config.max_batch_rows if self._rows_cap is None else min(config.max_batch_rows, self._rows_cap)
+                if self._running and rows + request.n > limit:
                     return
                 if prefill_tokens and prefill_tokens + len(request.prompt_ids) > config.max_prefill_tokens:
                     return
@@ -252,7 +263,9 @@ class Scheduler:
         """Prefill the prompt once, fan it out to the ``n`` branches, and take their first tokens."""
         engine = self._engine
         shared_prefix = engine._use_shared_prefix()
-        engine._stats.requests += 1
+        request.admissions += 1
+        if request.admissions == 1:
+            engine._stats.requests += 1
         prefilled = engine._prefill(request.prompt_ids)
         request.num_cached_tokens = prefilled.num_cached_tokens
         request.exact, request.asks = prefilled.exact, prefilled.asks
@@ -260,6 +273,8 @@ class Scheduler:
         request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, shared_prefix,
                                            request=request if prefilled.exact else None)
         request.branches = [_Branch(i) for i in range(request.n)]
+        for branch in request.branches:
+            branch.skip_tokens, branch.emitted_chars = request.delivered.get(branch.index, (0, 0))
         request.active = list(range(request.n))
         if not request.params.greedy:
             request.generators = make_generators(request.seed, request.n, engine.device)
@@ -300,6 +315,19 @@ class Scheduler:
             per_layer.append(segments)
         return SharedPrefixCache.from_segments(per_layer, n, suffix_capacity=capacity)
 
+    def _preempt(self, request: _Request) -> None:
+        """Take ``request`` out of the batch and put it first in the queue. Its KV is freed; it starts
+        over when admitted again and, with the same prompt and seeds, generates the same tokens, of
+        which its streams deliver only those they have not delivered yet."""
+        self._release(request)
+        request.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
+                             for b in request.branches}
+        request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
+        self.num_preemptions += 1
+        self._engine._stats.extra["preemptions"] = self.num_preemptions
+        with self._cv:
+            self._waiting.appendleft(request)
+
     def _release(self, request: _Request) -> None:
         """Drop a request's KV and unlock the radix nodes it read (exactly once)."""
         request.cache = None
@@ -322,9 +350,17 @@ class Scheduler:
                     out = engine._forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
                                           **cache.forward_kwargs())
             except Exception as error:
-                for request in batched:
-                    self._release(request)
-                    request.channel.fail(error)
+                if (isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)) and len(batched) > 1:
+                    # Out of memory even after evicting and retrying (every cache was rolled back):
+                    # preempt the newest request, to be recomputed when there is room; the rest go on.
+                    victim = max(batched, key=lambda r: r.request_id)
+                    self._preempt(victim)
+                    still_running += [r for r in batched if r is not victim]
+                    self._rows_cap = sum(len(r.active) for r in batched if r is not victim)
+                else:
+                    for request in batched:
+                        self._release(request)
+                        request.channel.fail(error)
             else:
                 logits = out.logits[:, -1, :]  # (B, V)
                 for request, (start, stop) in zip(batched, cache.row_ranges):
@@ -384,7 +420,8 @@ class Scheduler:
         engine = self._engine
         branch.token_ids.append(token)
         branch.logprobs.append(logprob)
-        branch.pending_ids.append(token)
+        if len(branch.token_ids) > branch.skip_tokens:
+            branch.pending_ids.append(token)
         if token in engine.eos_token_ids:
             branch.finish_reason = "eos"
             return
@@ -414,6 +451,7 @@ class Scheduler:
         branch.emitted_chars, branch.pending_ids = len(completion.text), []
 
     def _finish(self, request: _Request) -> None:
+        self._rows_cap = None  # rows have freed up: admit up to the configured batch again
         if request.n == 1 and request.exact:  # approximate (ASKS) KV never enters the exact cache
             try:
                 self._engine._cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)

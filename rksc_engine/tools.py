@@ -14,8 +14,10 @@ Protocol. Tools reach the model one of two ways:
       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen convention small
       instruct models have seen most; earlier calls are rendered back in that form.
 Either way the model's own calls are decoded in the ``<tool_call>`` form: free text is generated with
-``TOOL_CALL_OPEN`` as a stop string, and a call the model starts (or one the caller forces) is
-finished under the tool's schema by ``decode_tool_call``.
+``TOOL_CALL_OPEN`` as a stop string (``with_tool_call_stop``), and a call the model starts is
+finished under the tool's schema by ``finish_tool_turn`` (one the caller forces, by
+``decode_tool_call`` from the first token). Both adapters finish their turns there, so they agree on
+the calls and on the message content (``tool_turn_content``).
 
 Constrained decoding. ``ConstrainedDecoder`` writes every structural token itself (braces, keys,
 quotes, commas) and asks the model only for each value, one short engine call per value; the value is
@@ -60,6 +62,7 @@ TOOL_SYSTEM_PROMPT = (
 )
 JSON_INSTRUCTION = "Answer with one JSON object and nothing else."
 MAX_ITEMS = 8  # array items / free object keys the model may produce, so a loop cannot run away
+MAX_VALUE_TOKENS = 64  # constrained values are short; a runaway string value stops here
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _INT = re.compile(r"\s*(-?\d+)")
@@ -272,6 +275,16 @@ def stopped_at_tool_call(tokenizer: Any, completion: Completion) -> bool:
         return False
     full = tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
     return full[len(completion.text):].startswith(TOOL_CALL_OPEN)
+
+
+def tool_turn_content(prose: str, tokenizer: Any) -> str:
+    """The message content of a turn that made tool calls, given the text written before them.
+
+    With the system-prompt protocol (a template that does not take ``tools``) the text is dropped:
+    small models mostly echo the protocol's own instruction there, and an agent feeding the content
+    back into its history would compound the echo. A template that takes tools keeps it (the
+    model's own words)."""
+    return prose if template_takes_tools(tokenizer) else ""
 
 
 # -- token masks --------------------------------------------------------------------------------
@@ -707,6 +720,69 @@ def decode_tool_call(
     if not isinstance(arguments, dict):
         arguments = {"input": arguments}
     return _result(decoder, prompt_ids, free, prose, (ToolCall(name, arguments, new_call_id()),), None, "tool_calls")
+
+
+def with_tool_call_stop(params: SamplingParams) -> SamplingParams:
+    """``params`` with ``TOOL_CALL_OPEN`` as a stop, so a call the model starts ends its free text
+    and is finished under the schema (``finish_tool_turn``)."""
+    return dataclasses.replace(params, stop=(*params.stop, TOOL_CALL_OPEN))
+
+
+def value_params(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """The sampling settings of a constrained answer's value calls: ``params``' temperature, top_p
+    and top_k, at most ``MAX_VALUE_TOKENS`` tokens a value, no stop strings (the decoder sets each
+    value's own), seeded ``seed``."""
+    return dataclasses.replace(
+        params, max_new_tokens=min(params.max_new_tokens, MAX_VALUE_TOKENS), stop=(), seed=seed
+    )
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """A finished free generation made with tools offered.
+
+    Attributes:
+        text: The message content: the generated text, or, when calls were made, the text before
+            them as ``tool_turn_content`` keeps it.
+        tool_calls: The calls made (none for a plain answer).
+        completion: The free generation (its accounting is the turn's).
+        constrained: The decoder's result when a call the model started was finished under the
+            schema, else None.
+    """
+
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    completion: Completion
+    constrained: ConstrainedResult | None = None
+
+
+def finish_tool_turn(
+    engine: Any, prompt: Any, request: ToolRequest, free: Completion, params: SamplingParams,
+    *, token_masks: bool = True,
+) -> ToolTurn:
+    """The turn of a free generation made with ``request``'s tools offered and ``TOOL_CALL_OPEN``
+    among its stops (``with_tool_call_stop``).
+
+    A call the model started (it stopped at the opener) is finished under the schema by
+    ``decode_tool_call``; calls written out in full anyway (a model past the stop) are parsed from
+    the text; otherwise the text is the answer. The text before calls follows ``tool_turn_content``.
+
+    Args:
+        engine: The ``RKSCEngine``.
+        prompt: The prompt the free generation continued, as token ids or anything ``engine.encode``
+            takes (encoded only when a call is finished).
+        request: The tools offered.
+        free: The free generation.
+        params: Sampling settings of the value calls (``value_params``).
+        token_masks: See ``ConstrainedDecoder``.
+    """
+    if stopped_at_tool_call(engine.tokenizer, free):
+        result = decode_tool_call(engine, engine.encode(prompt), params, request, free=free, token_masks=token_masks)
+        return ToolTurn(tool_turn_content(result.text, engine.tokenizer), result.tool_calls, free, result)
+    prose, calls = parse_tool_calls(free.text)
+    if calls:
+        prose = tool_turn_content(prose, engine.tokenizer)
+    return ToolTurn(prose, tuple(calls), free)
 
 
 def decode_json(

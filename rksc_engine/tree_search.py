@@ -38,7 +38,7 @@ from .config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParam
 from .datasets import Problem, check_problems, few_shot_messages
 from .reasoning import resolve_extractor, resolve_verifier
 from .types import Completion
-from .verifier import Verifier
+from .verifier import Verifier, as_verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
 SCORER_NAMES = ("confidence", "judge")
@@ -142,8 +142,9 @@ def _resolve_scorer(engine: Any, scorer: str | Verifier | PathScorer) -> Verifie
         if scorer not in SCORER_NAMES:
             raise ValueError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {scorer!r}")
         return None if scorer == "confidence" else resolve_verifier(engine, None)
-    if isinstance(scorer, Verifier) or callable(scorer):
-        return resolve_verifier(engine, scorer)
+    verifier = as_verifier(scorer)
+    if verifier is not None:
+        return verifier
     raise TypeError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {type(scorer).__name__}")
 
 

@@ -26,6 +26,7 @@ import torch
 
 from .cgee import CGEEConfig
 from .model_parts import decoder_parts  # re-exported: ``verifier.decoder_parts`` stays importable
+from .tokens import common_prefix
 
 JUDGE_SYSTEM_PROMPT = "You check answers to math word problems. Reply with Yes or No only."
 JUDGE_TEMPLATE = "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct?"
@@ -91,6 +92,17 @@ class CallableVerifier:
     def estimate_full_s(self, num_candidates: int) -> float | None:
         """Estimated seconds to score ``num_candidates`` (mean of this verifier's calls; None before any)."""
         return self._cost.estimate(num_candidates)
+
+
+def as_verifier(verifier: Any) -> Verifier | None:
+    """``verifier`` as a ``Verifier``: itself when it is one, a ``CallableVerifier`` around a callable
+    ``fn(question, candidates) -> scores``, None for anything else (the caller's error names what it
+    accepts there: a default judge for None, a name like ``"judge"``...)."""
+    if isinstance(verifier, Verifier):
+        return verifier
+    if callable(verifier):
+        return CallableVerifier(verifier)
+    return None
 
 
 class _StopForward(Exception):
@@ -176,7 +188,7 @@ class LLMJudgeVerifier:
         """``score``, plus the ``PassTrace`` of the batched pass (layers run, timings, lens logits)."""
         engine = self.engine
         all_ids = [self.prompt_ids(question, c) for c in candidates]
-        shared = _common_prefix(all_ids)
+        shared = common_prefix(all_ids)
         with engine.exclusive():  # the warm-up and the judge pass run between two scheduler steps
             prefill_start = time.perf_counter()
             prefilled = len(candidates) > 1 and len(shared) > 1 and not self._is_cached(shared)
@@ -277,14 +289,3 @@ class LLMJudgeVerifier:
                 handle.remove()
             prefix.computed_tokens += sum(len(t) for t in tails)
             prefix.reused_tokens += matched * len(tails)
-
-
-def _common_prefix(sequences: list[list[int]]) -> list[int]:
-    if not sequences:
-        return []
-    first = sequences[0]
-    n = min(len(s) for s in sequences)
-    i = 0
-    while i < n and all(s[i] == first[i] for s in sequences):
-        i += 1
-    return first[:i]

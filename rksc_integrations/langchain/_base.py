@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
 
-from .._common import normalise_stop
+from .._common import call_sampling_params, normalise_stop
 from .._engines import shared_engine
 
 # Per-call keyword arguments (``model.invoke(x, max_tokens=8)``) that override the field of that name.
@@ -103,25 +103,9 @@ class RKSCFields(BaseModel):
             TypeError: An unknown keyword argument (named in the message), or a value of the wrong type.
             ValueError: A value out of range.
         """
-        unknown = sorted(set(kwargs) - set(CALL_KWARGS))
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {unknown}; per-call options are {list(CALL_KWARGS)}")
-        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
-            raise TypeError("pass max_tokens or max_new_tokens, not both")
-        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
-        n = kwargs.get("n", self.n)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
         stops = _stop_list(self.stop, "stop") + _stop_list(stop, "stop") + list(extra_stop)
-        params = SamplingParams(
-            max_new_tokens=max_new,
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            stop=tuple(dict.fromkeys(stops)),  # de-duplicated, order kept
-            seed=kwargs.get("seed", self.seed),
-        )
-        return params, n
+        # The field's stops and the call's both apply, de-duplicated, order kept.
+        return call_sampling_params(self, kwargs, CALL_KWARGS, tuple(dict.fromkeys(stops)))
 
     # -- reporting ------------------------------------------------------------------------------
     def usage(self, completion: Completion, output_tokens: int | None = None) -> dict[str, Any]:

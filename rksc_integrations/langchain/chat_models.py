@@ -46,10 +46,9 @@ from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams
 from rksc_engine import tools as tool_protocol
-from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolRequest
+from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread
-from .._common import tool_turn_content
 from ._base import RKSCFields, all_at_once, custom_events
 from .messages import to_engine_messages
 
@@ -178,10 +177,10 @@ class ChatRKSC(RKSCFields, BaseChatModel):
                 engine_messages, tool_protocol.json_instruction(response_format.get("schema"))
             )
         if getattr(tokenizer, "chat_template", None):
-            text = self.engine.render_chat(engine_messages, **template_kwargs)
+            prompt_ids = self.engine.encode_chat(engine_messages, **template_kwargs)
         else:  # a base model: a plain transcript ending where the assistant speaks
             text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in engine_messages) + "Assistant:"
-        prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return _Request(prompt_ids, params, n, tools, response_format)
 
     # -- generation -----------------------------------------------------------------------------
@@ -234,7 +233,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         # thread). Calls whose result needs more engine calls (tool calls finished under their schema,
         # constrained answers) run in a worker thread, so the event loop never waits on the engine.
         sync_manager = run_manager.get_sync() if run_manager else None
-        request = self._request(messages, stop, kwargs)
+        request = self._request(messages, stop, dict(kwargs))  # it pops the bound options
         if self.streaming or request.constrained_from_start:
             return await asyncio.to_thread(self._generate, messages, stop, sync_manager, **kwargs)
         completions = await self.engine.submit(request.prompt_ids, request.n, request.params)
@@ -250,7 +249,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         # LangChain's stream() reports each yielded chunk to on_llm_new_token itself.
-        request = self._request(messages, stop, kwargs)
+        request = self._request(messages, stop, dict(kwargs))  # it pops the bound options
         if request.n != 1:
             raise ValueError(f"streaming produces one generation; n must be 1, got {request.n}")
         # Without the run's manager (LangChain's stream()/astream()), stream()/astream() below send
@@ -329,7 +328,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         sync_manager = run_manager.get_sync() if run_manager else None
-        request = self._request(messages, stop, kwargs)
+        request = self._request(messages, stop, dict(kwargs))  # it pops the bound options
         if request.n != 1 or request.constrained_from_start:
             async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
                 yield chunk
@@ -352,38 +351,45 @@ class ChatRKSC(RKSCFields, BaseChatModel):
 
     # -- results --------------------------------------------------------------------------------
     def _message(self, completion: Completion, request: _Request) -> AIMessage:
-        """The AIMessage of a free generation; a tool call the model started is finished constrained."""
-        if request.tools is not None and tool_protocol.stopped_at_tool_call(self.engine.tokenizer, completion):
-            return self._constrained(request, completion.seed, free=completion)[0]
+        """The AIMessage of a free generation; with tools offered, its turn is finished by
+        ``rksc_engine.tools.finish_tool_turn`` (a call the model started is decoded constrained)."""
+        if request.tools is None:
+            return AIMessage(
+                content=completion.text,
+                usage_metadata=self.usage(completion),
+                response_metadata=self.generation_info(completion),
+            )
+        params = tool_protocol.value_params(request.params, completion.seed)
+        turn = tool_protocol.finish_tool_turn(self.engine, request.prompt_ids, request.tools, completion, params)
+        if turn.constrained is not None:
+            return self._constrained_message(turn.constrained, turn.text)
         return AIMessage(
-            content=completion.text,
+            content=turn.text,
+            tool_calls=_tool_calls(turn.tool_calls),
             usage_metadata=self.usage(completion),
             response_metadata=self.generation_info(completion),
         )
 
-    def _constrained(
-        self, request: _Request, seed: int | None, free: Completion | None = None
-    ) -> tuple[AIMessage, Completion]:
-        """A tool call (or a JSON answer) decoded under the bound schemas, after the free generation
-        ``free`` that started it (if any), and the completion whose prompt accounting it reports."""
-        params = SamplingParams(
-            max_new_tokens=min(request.params.max_new_tokens, 64), temperature=request.params.temperature,
-            top_p=request.params.top_p, top_k=request.params.top_k, seed=seed,
-        )
+    def _constrained(self, request: _Request, seed: int | None) -> tuple[AIMessage, Completion]:
+        """A forced tool call or a JSON answer, decoded under the bound schemas from the first token,
+        and the completion whose prompt accounting it reports."""
+        params = tool_protocol.value_params(request.params, seed)
         result: ConstrainedResult
-        if request.tools is not None and (request.tools.forced or free is not None):
-            result = tool_protocol.decode_tool_call(self.engine, request.prompt_ids, params, request.tools, free=free)
+        if request.tools is not None and request.tools.forced:
+            result = tool_protocol.decode_tool_call(self.engine, request.prompt_ids, params, request.tools)
+            content = tool_protocol.tool_turn_content(result.text, self.engine.tokenizer)
         else:
             schema = (request.response_format or {}).get("schema")
             result = tool_protocol.decode_json(self.engine, request.prompt_ids, params, schema)
-        tool_calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+            content = result.text
+        return self._constrained_message(result, content), result.completion
+
+    def _constrained_message(self, result: ConstrainedResult, content: str) -> AIMessage:
         metadata = {**self.generation_info(result.completion), "finish_reason": result.finish_reason, "constrained": True}
-        content = tool_turn_content(result.text, self.engine.tokenizer) if result.tool_calls else result.text
-        message = AIMessage(
-            content=content, tool_calls=tool_calls,
+        return AIMessage(
+            content=content, tool_calls=_tool_calls(result.tool_calls),
             usage_metadata=self.usage(result.completion, result.num_generated_tokens), response_metadata=metadata,
         )
-        return message, result.completion
 
 
 def _stream_events(chunk: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -395,6 +401,10 @@ def _stream_events(chunk: Any) -> list[tuple[str, dict[str, Any]]]:
     if "rksc_cache_reuse" not in metadata or not (chunk.id or "").startswith(LC_ID_PREFIX):
         return []
     return custom_events(metadata["rksc_cache_reuse"], metadata.get("asks"))
+
+
+def _tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in calls]
 
 
 def _branch_seed(params: SamplingParams, i: int) -> int | None:

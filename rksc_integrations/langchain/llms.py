@@ -17,7 +17,7 @@ from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
-from rksc_engine import Completion
+from rksc_engine import Completion, SamplingParams, StreamChunk
 
 from .._common import check_prompt_text
 from ._base import RKSCFields
@@ -103,18 +103,10 @@ class RKSCLLM(RKSCFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        check_prompt_text(prompt)
-        params, n = self.sampling_params(kwargs, stop)
-        if n != 1:
-            raise ValueError(f"streaming produces one generation; n must be 1, got {n}")
+        params = self._stream_params(prompt, stop, kwargs)
         for piece in self.engine.stream(prompt, params):
-            if piece.completion is not None:
-                report = self.report(piece.completion, 1, run_manager)
-                info = self._generation(piece.completion, report).generation_info
-                chunk = GenerationChunk(text=piece.text, generation_info=info)
-            elif piece.text:
-                chunk = GenerationChunk(text=piece.text)
-            else:
+            chunk = self._chunk(piece, run_manager)
+            if chunk is None:
                 continue
             # BaseLLM.stream leaves token callbacks to the model.
             if run_manager is not None:
@@ -128,22 +120,31 @@ class RKSCLLM(RKSCFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        check_prompt_text(prompt)
-        params, n = self.sampling_params(kwargs, stop)
-        if n != 1:
-            raise ValueError(f"streaming produces one generation; n must be 1, got {n}")
+        params = self._stream_params(prompt, stop, kwargs)
         async for piece in self.engine.astream(prompt, params):  # from the scheduler, no thread
-            if piece.completion is not None:
-                report = self.report(piece.completion, 1, run_manager.get_sync() if run_manager else None)
-                info = self._generation(piece.completion, report).generation_info
-                chunk = GenerationChunk(text=piece.text, generation_info=info)
-            elif piece.text:
-                chunk = GenerationChunk(text=piece.text)
-            else:
+            chunk = self._chunk(piece, run_manager.get_sync() if run_manager else None)
+            if chunk is None:
                 continue
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+    def _stream_params(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
+        """The checked parameters of a stream, which produces one generation."""
+        check_prompt_text(prompt)
+        params, n = self.sampling_params(kwargs, stop)
+        if n != 1:
+            raise ValueError(f"streaming produces one generation; n must be 1, got {n}")
+        return params
+
+    def _chunk(self, piece: StreamChunk, run_manager: CallbackManagerForLLMRun | None) -> GenerationChunk | None:
+        """The chunk of a streamed piece (None for an empty one); the last carries the generation's
+        info, and its events are reported on ``run_manager``."""
+        if piece.completion is not None:
+            report = self.report(piece.completion, 1, run_manager)
+            info = self._generation(piece.completion, report).generation_info
+            return GenerationChunk(text=piece.text, generation_info=info)
+        return GenerationChunk(text=piece.text) if piece.text else None
 
     def _generation(self, completion: Completion, report: dict[str, Any]) -> Generation:
         info = {**self.generation_info(completion), "usage": self.usage(completion), "rksc_cache_reuse": report}

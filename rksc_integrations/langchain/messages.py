@@ -23,20 +23,13 @@ from langchain_core.messages import (
 )
 
 from rksc_engine.tools import inline_tool_calls
+from rksc_engine.tools import template_takes_tools as template_takes_tools  # re-exported, defined once there
 
 from .._common import check_chat_has_text
 
 ENGINE_ROLES = ("system", "user", "assistant", "tool")
 
 _ROLE_OF = {SystemMessage: "system", HumanMessage: "user", AIMessage: "assistant", ToolMessage: "tool", FunctionMessage: "tool"}
-
-
-def template_takes_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders a ``tools`` argument."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates; the default one is what renders
-        template = template.get("default", "")
-    return isinstance(template, str) and "tools" in template
 
 
 def to_engine_messages(messages: Sequence[BaseMessage], native_tools: bool = False) -> list[dict[str, Any]]:

@@ -65,9 +65,9 @@ from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.datasets import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
 from rksc_engine.reasoning import EXTRACTORS, ReasoningResult
-from rksc_engine.verifier import CallableVerifier, Verifier
+from rksc_engine.verifier import CallableVerifier, Verifier, as_verifier
 
-from .._common import normalise_stop
+from .._common import call_sampling_params, normalise_stop
 from .._engines import shared_engine
 from ._base import CACHE_EVENT, all_at_once
 from .messages import content_text
@@ -382,23 +382,8 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
     # -- translation ----------------------------------------------------------------------------
     def _sampling_params(self, kwargs: dict[str, Any]) -> tuple[SamplingParams, int]:
-        unknown = sorted(set(kwargs) - set(CALL_KWARGS))
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {unknown}; per-call options are {list(CALL_KWARGS)}")
-        if "max_tokens" in kwargs and "max_new_tokens" in kwargs:
-            raise TypeError("pass max_tokens or max_new_tokens, not both")
-        n = kwargs.get("n", self.n)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
-        stop = kwargs.get("stop", self.stop) or ()
-        params = SamplingParams(
-            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            top_k=kwargs.get("top_k", self.top_k),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            seed=kwargs.get("seed", self.seed),
-        )
+        # The call's stops replace the field's (None: none).
+        params, n = call_sampling_params(self, kwargs, CALL_KWARGS, kwargs.get("stop", self.stop) or ())
         if n > 1 and params.greedy:
             warnings.warn(f"MultiBranchReasoner with n={n} and temperature={params.temperature} (top_p={params.top_p}) "
                           f"decodes greedily, so all {n} branches will be the same; use temperature > 0 (e.g. 0.7) "
@@ -446,10 +431,10 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
     def _engine_verifier(self, config: RunnableConfig) -> Verifier | None:
         """The configured verifier as a ``Verifier``; a Runnable runs as a child of this run."""
-        if self.verifier is None or isinstance(self.verifier, Verifier):
-            return self.verifier
-        if not isinstance(self.verifier, Runnable):
-            return CallableVerifier(self.verifier)
+        if self.verifier is None:
+            return None  # the engine's default judge
+        if isinstance(self.verifier, Verifier) or not isinstance(self.verifier, Runnable):
+            return as_verifier(self.verifier)  # the field's validator admitted only a Verifier or a callable
         runnable = self.verifier
 
         def score(question: str, candidates: Sequence[str]) -> list[float]:

@@ -29,10 +29,10 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import QueryBundle
 
 from rksc_engine.answers import majority_vote
-from rksc_engine.cgee import CGEEConfig, should_skip, summarise_votes
-from rksc_engine.reasoning import BranchAnswer, VerificationReport, verify_and_pick
+from rksc_engine.cgee import CGEEConfig
+from rksc_engine.reasoning import BranchAnswer, verify_and_pick
 from rksc_engine.types import Completion
-from rksc_engine.verifier import CallableVerifier, LLMJudgeVerifier, Verifier
+from rksc_engine.verifier import LLMJudgeVerifier, Verifier, as_verifier
 
 AnswerKey = Callable[[str], "str | None"]
 _SPACE = re.compile(r"\s+")
@@ -67,10 +67,9 @@ def make_verifier(engine: Any, verifier: Any) -> Verifier | None:
         if verifier != "judge":
             raise ValueError(f"verifier must be 'judge', a Verifier, a callable or None, got {verifier!r}")
         return LLMJudgeVerifier(engine, system_prompt=JUDGE_SYSTEM_PROMPT, template=JUDGE_TEMPLATE)
-    if isinstance(verifier, Verifier):
-        return verifier
-    if callable(verifier):
-        return CallableVerifier(verifier)
+    resolved = as_verifier(verifier)
+    if resolved is not None:
+        return resolved
     raise TypeError(f"verifier must be 'judge', a Verifier, a callable or None, got {type(verifier).__name__}")
 
 
@@ -136,14 +135,8 @@ def decide(
     """
     keys = [answer_key(c.text) for c in completions]
     _, votes = majority_vote(keys)
-    if verifier is None:
-        summary = summarise_votes(keys, [c.confidence for c in completions])
-        skipped, reason = should_skip(summary, cgee)
-        answer = summary.winner
-        report = VerificationReport(skipped=skipped, reason=reason, p=summary.p, lead=summary.lead)
-    else:
-        branches = [BranchAnswer(c.text, k, c.confidence) for c, k in zip(completions, keys)]
-        answer, report, _ = verify_and_pick(question, branches, verifier, cgee)
+    branches = [BranchAnswer(c.text, k, c.confidence) for c, k in zip(completions, keys)]
+    answer, report, _ = verify_and_pick(question, branches, verifier, cgee)
     chosen = 0
     if answer is not None:
         chosen = max((i for i, k in enumerate(keys) if k == answer), key=lambda i: completions[i].confidence)

@@ -61,10 +61,10 @@ from llama_index.core.types import PydanticProgramMode
 from rksc_engine import Completion, RKSCEngine, SamplingParams
 from rksc_engine import tools as tool_protocol
 from rksc_engine.cgee import CGEEConfig
-from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolCall, ToolRequest
+from rksc_engine.tools import ConstrainedResult, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
-from .._common import check_prompt_text, normalise_stop, tool_turn_content
+from .._common import call_sampling_params, check_prompt_text, normalise_stop
 from .._engines import shared_engine
 from .branches import AnswerKey, BranchDecision, current_collector, decide, make_verifier, normalise_answer
 from .events import (
@@ -85,8 +85,6 @@ if TYPE_CHECKING:
 
 # Per-call keyword arguments that override the fields of the same name.
 GENERATION_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "branches")
-# Constrained values are short; a runaway string value stops here.
-MAX_CONSTRAINED_VALUE_TOKENS = 64
 
 EnginePrompt = str | list[dict[str, Any]] | list[int]
 
@@ -238,26 +236,17 @@ class RKSCLLM(FunctionCallingLLM):
         elif not self._has_chat_template():
             prompt = generic_messages_to_prompt(_llama_messages(engine_messages))
         elif template_kwargs:  # the template renders the tools itself
-            text = self._engine.render_chat(engine_messages, **template_kwargs)
-            prompt = list(self._engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompt = self._engine.encode_chat(engine_messages, **template_kwargs)
         else:
             prompt = engine_messages
         return _Prompt(prompt, request, output_schema)
 
     # -- generation core ------------------------------------------------------------------------
     def _params(self, kwargs: dict[str, Any]) -> tuple[SamplingParams, int]:
-        unknown = sorted(set(kwargs) - set(GENERATION_KWARGS))
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {unknown}; per-call options are {list(GENERATION_KWARGS)}")
-        merged = {name: kwargs.get(name, getattr(self, name)) for name in GENERATION_KWARGS}
-        n = merged.pop("branches")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"branches must be an int >= 1, got {n!r}")
-        if n > 1 and merged["temperature"] == 0:
-            merged["temperature"] = self.branch_temperature
-        stop = merged["stop"]
-        merged["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-        return SamplingParams(**merged), n
+        # The call's stops replace the field's; greedy branches would be identical, so several
+        # branches at temperature 0 sample at branch_temperature.
+        return call_sampling_params(self, kwargs, GENERATION_KWARGS, kwargs.get("stop", self.stop),
+                                    n_name="branches", branch_temperature=self.branch_temperature)
 
     def _cgee(self) -> CGEEConfig:
         if self.cgee is not None:
@@ -305,7 +294,7 @@ class RKSCLLM(FunctionCallingLLM):
             params, _ = self._params({**kwargs, "branches": 1})  # one branch, at the call's own temperature
             if prompt.output_schema is not None or prompt.tools.forced:
                 return self._constrained(prompt, params)
-            completion = self._engine.generate(prompt.prompt, _with_tool_stop(params))
+            completion = self._engine.generate(prompt.prompt, tool_protocol.with_tool_call_stop(params))
             return self._free_tool_turn(prompt, params, completion)
         if n == 1:
             return self._branches_piece(prompt, [self._engine.generate(prompt.prompt, params)], 1, collector)
@@ -339,34 +328,35 @@ class RKSCLLM(FunctionCallingLLM):
             collector.append(decision.as_dict())
         return _Piece(completion.text, completion.text, completion, extra)
 
-    def _constrained(self, prompt: _Prompt, params: SamplingParams, free: Completion | None = None) -> _Piece:
-        """A tool call (after the free text ``free`` that started it, if any) or a JSON answer,
-        decoded under its schema by ``rksc_engine.tools``."""
-        value_params = dataclasses.replace(
-            params, max_new_tokens=min(params.max_new_tokens, MAX_CONSTRAINED_VALUE_TOKENS), stop=()
-        )
+    def _constrained(self, prompt: _Prompt, params: SamplingParams) -> _Piece:
+        """A JSON answer or a forced tool call, decoded under its schema by ``rksc_engine.tools``
+        from the first token."""
+        value_params = tool_protocol.value_params(params, params.seed)
         prompt_ids = self._engine.encode(prompt.prompt)
         result: ConstrainedResult
         if prompt.output_schema is not None:
             result = tool_protocol.decode_json(self._engine, prompt_ids, value_params, prompt.output_schema)
+            text = result.text
         else:
-            result = tool_protocol.decode_tool_call(self._engine, prompt_ids, value_params, prompt.tools, free=free)
+            result = tool_protocol.decode_tool_call(self._engine, prompt_ids, value_params, prompt.tools)
+            text = tool_protocol.tool_turn_content(result.text, self._engine.tokenizer)
+        return self._constrained_piece(result, text, delta=text)
+
+    def _constrained_piece(self, result: ConstrainedResult, text: str, delta: str) -> _Piece:
         extra = self._report(result.completion, 1, result.num_generated_tokens)
         extra["finish_reason"] = result.finish_reason
         extra["constrained"] = True
-        text = result.text if prompt.output_schema is not None else tool_turn_content(result.text, self._engine.tokenizer)
-        delta = text if free is None else ""
         return _Piece(delta, text, result.completion, extra, result.tool_calls)
 
     def _free_tool_turn(self, prompt: _Prompt, params: SamplingParams, completion: Completion) -> _Piece:
-        """A free generation with tools offered: a call it started is finished under the schema; a
-        call written out in full anyway (a model ignoring the stop) is parsed from the text."""
-        if tool_protocol.stopped_at_tool_call(self._engine.tokenizer, completion):
-            return self._constrained(prompt, params, free=completion)
-        prose, calls = tool_protocol.parse_tool_calls(completion.text)
-        if calls:
-            prose = tool_turn_content(prose, self._engine.tokenizer)
-        return _Piece(completion.text, prose, completion, self._report(completion, 1), tuple(calls))
+        """A free generation with tools offered, finished by ``rksc_engine.tools.finish_tool_turn``
+        (a call it started is decoded under the schema; its text was streamed already)."""
+        turn = tool_protocol.finish_tool_turn(
+            self._engine, prompt.prompt, prompt.tools, completion, tool_protocol.value_params(params, params.seed)
+        )
+        if turn.constrained is not None:
+            return self._constrained_piece(turn.constrained, turn.text, delta="")
+        return _Piece(completion.text, turn.text, completion, self._report(completion, 1), turn.tool_calls)
 
     def _question(self, prompt: EnginePrompt) -> str:
         """What the judge is asked about: the prompt's text without its system turn."""
@@ -395,7 +385,7 @@ class RKSCLLM(FunctionCallingLLM):
                 yield self._generate(prompt, kwargs, collector)
 
             return whole()
-        chunks = self._engine.stream(prompt.prompt, _with_tool_stop(params) if prompt.tools else params)
+        chunks = self._engine.stream(prompt.prompt, tool_protocol.with_tool_call_stop(params) if prompt.tools else params)
 
         def pieces() -> Iterator[_Piece]:
             text = ""
@@ -589,11 +579,6 @@ def _tool_schema(tool: Any) -> dict[str, Any]:
     if metadata is None or not hasattr(metadata, "get_parameters_dict"):
         raise TypeError(f"tools must be LlamaIndex tools or JSON schema dicts, got {type(tool).__name__}")
     return {"name": metadata.get_name(), "description": metadata.description, "parameters": metadata.get_parameters_dict()}
-
-
-def _with_tool_stop(params: SamplingParams) -> SamplingParams:
-    """``params`` with the tool-call opener as a stop, so a call the model starts is finished constrained."""
-    return dataclasses.replace(params, stop=(*params.stop, TOOL_CALL_OPEN))
 
 
 def _llama_messages(messages: Sequence[dict[str, Any]]) -> list[ChatMessage]:

@@ -31,10 +31,16 @@ def test_eight_branches_over_a_cached_few_shot_prefix_are_voted_verified_and_rep
     reasoner = MultiBranchReasoner(n=8, seed=0, max_tokens=64, few_shot=SHOTS)  # the embedded default model
     questions = [p.question for p in synthetic_problems(2, seed=7)]
     collector = RKSCEventCollector()
-    outputs = reasoner.batch(questions, config={"callbacks": [collector]})
-    assert [e.name for e in collector.events] == [VOTE_EVENT, CGEE_EVENT, CACHE_EVENT] * 2
+    outputs = reasoner.batch(questions, config={"callbacks": [collector]})  # both submitted at once
+    # The two runs finish in either order: group each run's events by its run id, in order.
+    runs: dict = {}
+    for event in collector.events:
+        runs.setdefault(event.run_id, []).append(event)
+    assert sorted([e.name for e in events] for events in runs.values()) == [[VOTE_EVENT, CGEE_EVENT, CACHE_EVENT]] * 2
+    by_question = {events[0].data["question"]: events for events in runs.values()}
     num_layers = reasoner.engine.model.config.num_hidden_layers
-    for out, (vote, cgee, cache) in zip(outputs, zip(*[iter(collector.events)] * 3)):
+    for out in outputs:
+        vote, cgee, cache = by_question[out.question]
         assert len(out.branches) == 8
         answered = [b.answer for b in out.branches if b.answer is not None]
         assert len(answered) >= 4, f"most branches should end in a number: {[b.text[-40:] for b in out.branches]}"
@@ -47,10 +53,10 @@ def test_eight_branches_over_a_cached_few_shot_prefix_are_voted_verified_and_rep
             assert set(out.cgee.scores) == set(out.votes) and out.cgee.num_layers == num_layers
             assert all(0 <= layer < num_layers for layer in out.cgee.exit_layers.values())
         assert out.cache.prefills <= 2  # one for all eight branches, one for the judge's shared question
-    # The second question reuses the few-shot prefix the first one computed.
+    # The question admitted second reuses the few-shot prefix the first one computed.
     ids = [reasoner.engine.encode(few_shot_messages(q, SHOTS)) for q in questions]
     shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
-    assert outputs[1].cache.prompt_tokens_reused >= shared > 300
+    assert max(o.cache.prompt_tokens_reused for o in outputs) >= shared > 300
 
 
 def test_prompt_reasoner_parser_composes_and_shares_the_chat_models_engine():

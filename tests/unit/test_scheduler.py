@@ -219,3 +219,39 @@ def test_submit_rejects_bad_input_before_anything_is_queued():
         engine.submit("hello", 0)
     assert engine._scheduler.num_waiting == 0
     assert engine.stats().requests == before.requests
+
+
+def test_out_of_memory_in_a_shared_decode_step_preempts_the_newest_request_which_is_recomputed_exactly():
+    from rksc_engine import RSBCMConfig
+
+    engine = engine_for(0, rsbcm=RSBCMConfig(oom_max_attempts=1, oom_backoff_s=0.0))
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=4)
+    prompts = ["hello there", "general kenobi", "x"]
+    want = [alone(engine, p, 2, params) for p in prompts]
+    engine.clear_cache()
+    forward = engine.model.forward
+
+    def small_memory_forward(*args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None and input_ids.shape[0] > 2 and input_ids.shape[1] == 1:
+            raise torch.OutOfMemoryError("simulated: room for one request's two branches only")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = small_memory_forward
+    try:
+        handles = [engine.submit(p, 2, params) for p in prompts[1:]]
+        streamed = engine.submit(prompts[0], 2, params, stream=True)  # the newest: preempted first
+        chunks = list(streamed)
+        got = [[c.token_ids for c in h.result(timeout=60)] for h in handles]
+    finally:
+        engine.model.forward = forward
+    finals = sorted((c for c in chunks if c.completion is not None), key=lambda c: c.branch_index)
+    assert [c.completion.token_ids for c in finals] == want[0]
+    for branch in range(2):  # the stream delivered each token once, whatever was preempted
+        delivered = [t for c in chunks if c.branch_index == branch for t in c.token_ids]
+        assert tuple(delivered) == want[0][branch]
+        assert "".join(c.text for c in chunks if c.branch_index == branch) == finals[branch].completion.text
+    assert got == want[1:], "a preempted request did not recompute the same tokens"
+    assert engine._scheduler.num_preemptions >= 2  # the stream, after delivering its first tokens, then more
+    assert engine.stats().running_requests == 0
+    engine.prefix_cache.check_consistency()
