@@ -146,7 +146,7 @@ def reasoner_arm(engine: RKSCEngine, args: argparse.Namespace) -> dict:
 
     questions, shots = workload(args.callers, args.shots)
     reasoner = MultiBranchReasoner(engine=engine, n=args.branches, few_shot=shots, max_tokens=args.max_new_tokens,
-                                   temperature=0.7, top_p=0.95, seed=0, verify=False)
+                                   temperature=0.7, top_p=0.95, seed=0)
     inputs = [q.question for q in questions]
 
     def sequential():

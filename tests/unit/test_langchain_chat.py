@@ -161,3 +161,24 @@ def test_response_metadata_carries_the_asks_decision_when_a_reworded_prompt_reus
     assert decision is not None and decision["reused"], decision
     assert decision["reused_tokens"] >= 32
     assert decision["position_shift"] == len("Please answer in few words.") - len("Answer briefly.")
+
+
+def test_async_tool_calls_and_structured_output_equal_the_sync_ones(chat):
+    bound = chat.bind_tools([Add], tool_choice="Add")
+    structured = chat.with_structured_output(Pick)
+
+    async def both():
+        return await bound.ainvoke("add 2 and 3"), await structured.ainvoke("choose")
+
+    message, value = asyncio.run(both())
+    assert [c["args"] for c in message.tool_calls] == [c["args"] for c in bound.invoke("add 2 and 3").tool_calls]
+    assert value == structured.invoke("choose") and isinstance(value, Pick)
+
+
+def test_abatch_of_plain_chats_decodes_them_together_and_equals_invoke(chat, engine):
+    prompts = ["hello", "good morning", "x"]
+    want = [chat.invoke(p).content for p in prompts]
+    engine.reset_stats()
+    got = asyncio.run(chat.abatch(prompts))
+    assert [m.content for m in got] == want
+    assert engine.stats().peak_batch_rows >= 2, "abatch did not submit its inputs together"
