@@ -25,11 +25,13 @@ The loop runs on a daemon thread started at the first submit, which exits after 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import logging
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,16 @@ logger = logging.getLogger(__name__)
 
 # Seconds the loop thread waits for work before it exits (a new submit starts it again).
 IDLE_EXIT_S = 1.0
+
+# Every scheduler whose loop thread may be alive: stopped and joined when the interpreter exits, so a
+# daemon thread is never torn down in the middle of a torch call (which aborts the process).
+_LIVE_SCHEDULERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_schedulers() -> None:
+    for scheduler in list(_LIVE_SCHEDULERS):
+        scheduler.shutdown()
 
 
 @dataclass
@@ -94,6 +106,7 @@ class _Request:
     exact: bool = True
     asks: ASKSDecision | None = None
     locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
+    num_private_segments: int = 0  # prompt segments the request holds itself (not read from the radix cache)
     admissions: int = 0  # how often it was admitted (more than once after a preemption)
     # After a preemption: per branch, how many tokens and characters its stream already delivered, so
     # the recomputed branch (the same tokens: same prompt, same seeds) does not deliver them twice.
@@ -115,6 +128,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stepping = False
+        self._closing = False
         self.num_steps = 0
         self.peak_batch_rows = 0
         self.peak_running_kv_bytes = 0
@@ -172,8 +186,15 @@ class Scheduler:
         seen: dict[int, int] = {}
         for request in self._running:
             for layer in getattr(request.cache, "layers", ()):
-                for name in ("prefix_keys", "prefix_values", "keys", "values"):
-                    tensor = getattr(layer, name, None)
+                tensors = [layer.keys, layer.values]  # the branches' suffixes (or a DynamicCache's all)
+                segments = getattr(layer, "segments", [])
+                # Segments read in place from the radix cache are the cache's bytes, not the request's.
+                if request.locked_node is None:
+                    private = segments
+                else:
+                    private = segments[len(segments) - request.num_private_segments:] if request.num_private_segments else []
+                tensors += [t for pair in private for t in pair]
+                for tensor in tensors:
                     if isinstance(tensor, torch.Tensor):
                         storage = tensor.untyped_storage()
                         seen[storage.data_ptr()] = storage.nbytes()
@@ -182,9 +203,21 @@ class Scheduler:
     # -- the loop -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         # Called with self._cv held.
+        if self._closing:
+            raise RuntimeError("the engine's scheduler has shut down (the interpreter is exiting)")
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="rksc-scheduler", daemon=True)
+            _LIVE_SCHEDULERS.add(self)
             self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread after its current step and wait for it (at interpreter exit)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -192,6 +225,9 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                if self._closing:
+                    self._thread = None
+                    return
                 if not self._has_work():
                     self._cv.wait(IDLE_EXIT_S)
                     if not self._has_work():
@@ -313,6 +349,7 @@ class Scheduler:
                 segments.append((layer.keys[:, :, match.num_tokens:].clone(),
                                  layer.values[:, :, match.num_tokens:].clone()))
             per_layer.append(segments)
+        request.num_private_segments = int(match.num_tokens < len(request.prompt_ids))
         return SharedPrefixCache.from_segments(per_layer, n, suffix_capacity=capacity)
 
     def _preempt(self, request: _Request) -> None:

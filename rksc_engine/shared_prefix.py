@@ -142,6 +142,11 @@ def shared_prefix_attention(
     # segments in its own order and attends to its own suffixes, so every row sees exactly the
     # operations it would see alone (the batch only widens the linear layers).
     layer = cache.layers[module.layer_idx]
+    if len(layer.group_layers) == 1:  # one request: nothing to share, skip the bookkeeping
+        (keys, values), group_layer = layer.views[0], layer.group_layers[0]
+        prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
+                  for k, v in group_layer.segments]
+        return _merge_with_suffix(query, prefix, keys, values, scale, fused), None
     num_kv_heads = key.shape[1]
     per_group: list[list] = [[None] * len(g.segments) for g in layer.group_layers]
     for (seg_k, seg_v), users in layer.shared_segments():

@@ -255,3 +255,35 @@ def test_out_of_memory_in_a_shared_decode_step_preempts_the_newest_request_which
     assert engine._scheduler.num_preemptions >= 2  # the stream, after delivering its first tokens, then more
     assert engine.stats().running_requests == 0
     engine.prefix_cache.check_consistency()
+
+
+def test_concurrent_requests_read_a_shared_cached_prompt_prefix_in_place_instead_of_copying_it():
+    engine = engine_for(0)
+    prefix = "A long shared few-shot prefix, the same for every request. " * 3
+    params = SamplingParams(temperature=0.8, max_new_tokens=6, seed=0)
+    engine.generate(prefix + "warm", SamplingParams(max_new_tokens=1))  # the prefix is cached now
+    engine.reset_stats()
+    with engine.exclusive():  # all four are admitted in the same step
+        handles = [engine.submit(prefix + f"question {i}", 2, params) for i in range(4)]
+    for handle in handles:
+        handle.result()
+    prompt_bytes = len(engine.encode(prefix)) * engine.kv_bytes_per_token
+    stats = engine.stats()
+    assert stats.peak_batch_rows == 8
+    assert stats.peak_running_kv_bytes < prompt_bytes, "running requests hold copies of the cached prefix"
+    engine.prefix_cache.check_consistency()
+    assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes()), "a finished request kept its lock"
+
+
+def test_a_stalled_stream_does_not_delay_another_request_by_a_single_step():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=8)
+    before = engine._scheduler.num_steps
+    engine.generate("abc", params)
+    steps_alone = engine._scheduler.num_steps - before
+    stream = engine.stream("hello", SamplingParams(max_new_tokens=300))
+    next(stream)  # and then never read again
+    before = engine._scheduler.num_steps
+    engine.generate("abc", params)
+    assert engine._scheduler.num_steps - before <= steps_alone + 1  # +1: the step that admitted it may differ
+    stream.close()
