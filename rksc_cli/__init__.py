@@ -1,8 +1,9 @@
 """The ``rksc`` command: the subcommands of the layers below it, under one name.
 
-``rksc ask`` comes from ``rksc_engine.cli`` and ``rksc bench`` from ``rksc_bench.cli``; each module
-offers ``add_arguments(parser)`` (which sets ``args.func``) and ``run(args)``. This package sits above
-both so that neither imports the other: the engine never depends on its benchmark front-end.
+``rksc ask`` comes from ``rksc_engine.cli``, ``rksc bench`` from ``rksc_bench.cli`` and ``rksc serve``
+from ``rksc_serve.cli``; each module offers ``add_arguments(parser)`` (which sets ``args.func``) and
+``run(args)``. This package sits above them so that none imports another: the engine never depends
+on its benchmark or HTTP front-ends.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import argparse
 
 import rksc_bench.cli
 import rksc_engine.cli
+import rksc_serve.cli
 
 # What ``rksc --help`` says.
 DESCRIPTION = """The ``rksc`` command line: ``rksc ask`` answers a question with self-consistency over
-``--branches`` reasoning branches that share one computed prompt."""
+``--branches`` reasoning branches that share one computed prompt; ``rksc serve`` serves the model over
+an OpenAI-compatible HTTP API."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     rksc_engine.cli.add_arguments(sub.add_parser("ask", help=rksc_engine.cli.ASK_HELP))
     rksc_bench.cli.add_arguments(sub.add_parser("bench", help=rksc_bench.cli.BENCH_HELP))
+    rksc_serve.cli.add_arguments(sub.add_parser("serve", help=rksc_serve.cli.SERVE_HELP))
     return parser
 
 

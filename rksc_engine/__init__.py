@@ -1,6 +1,8 @@
 """rksc_engine: multi-branch generation over a shared, cached prompt prefix on a local transformers model.
 
-The engine knows nothing of LangChain or LlamaIndex; ``rksc_integrations`` adapts it to them.
+The engine knows nothing of LangChain, LlamaIndex or HTTP servers; ``rksc_integrations`` adapts it to
+them and ``rksc_serve`` serves it. ``RemoteEngine`` is the same generation API over an OpenAI-compatible
+server.
 """
 
 from .config import (
@@ -16,6 +18,7 @@ from .engine import Prefilled, RKSCEngine
 from .loading import DefaultModelNotInstalled
 from .memory import ForwardOutOfMemoryError
 from .prefix_cache import LRUPolicy, OmegaPolicy, PrefixMatch, RadixPrefixCache
+from .remote import RemoteEngine, RemoteServerError
 from .requests import RequestCancelled, RequestHandle
 from .tree_search import SearchNode, SearchResult
 from .types import ASKSDecision, Completion, EngineStats, StreamChunk
@@ -37,6 +40,8 @@ __all__ = [
     "RKSCEngine",
     "RSBCMConfig",
     "RadixPrefixCache",
+    "RemoteEngine",
+    "RemoteServerError",
     "RequestCancelled",
     "RequestHandle",
     "SamplingParams",

@@ -195,6 +195,9 @@ class RequestHandle:
     async def _async_result(self) -> list[Completion]:
         try:
             while not self._channel.finished:
+                if self._scheduler.owns_engine():  # awaited inside ``engine.exclusive()``: nobody else can step
+                    self._scheduler.wait_for(self._channel, None)
+                    continue
                 await self._channel.async_waiter()
         except asyncio.CancelledError:
             self.cancel()
@@ -210,6 +213,8 @@ class RequestHandle:
                 elif ended:
                     self._channel.outcome()
                     return
+                elif self._scheduler.owns_engine():
+                    self._scheduler.wait_for(self._channel, None)
                 else:
                     await self._channel.async_waiter()
         except (asyncio.CancelledError, GeneratorExit):

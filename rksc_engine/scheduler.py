@@ -154,11 +154,14 @@ class Scheduler:
         with self._cv:
             self._cv.notify_all()
 
+    def owns_engine(self) -> bool:
+        """Whether the calling thread holds the engine lock (inside ``engine.exclusive()``)."""
+        return self._engine._lock._is_owned()
+
     def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
         """Block until ``channel`` has news. A caller holding the engine lock steps the loop itself
         (the loop thread cannot get the lock until it lets go)."""
-        lock = self._engine._lock
-        if lock._is_owned():
+        if self.owns_engine():
             if self._stepping:
                 raise RuntimeError("an engine call cannot be made from inside a running step "
                                    "(for example from a logits processor)")

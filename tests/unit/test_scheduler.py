@@ -287,3 +287,18 @@ def test_a_stalled_stream_does_not_delay_another_request_by_a_single_step():
     engine.generate("abc", params)
     assert engine._scheduler.num_steps - before <= steps_alone + 1  # +1: the step that admitted it may differ
     stream.close()
+
+
+def test_awaiting_a_request_inside_exclusive_does_not_deadlock():
+    engine = engine_for(0)
+    params = SamplingParams(max_new_tokens=5)
+    want = engine.generate("hello", params).token_ids
+
+    async def main():
+        with engine.exclusive():
+            first = await engine.agenerate("hello", params)
+            chunks = [c async for c in engine.astream("hello", params)]
+        return first, chunks
+
+    first, chunks = asyncio.run(main())
+    assert first.token_ids == want and chunks[-1].completion.token_ids == want

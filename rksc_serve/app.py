@@ -1,0 +1,326 @@
+"""The OpenAI-compatible FastAPI app over one engine: ``create_app(engine, ...)``.
+
+Endpoints:
+    ``POST /v1/chat/completions``, ``POST /v1/completions``: see ``rksc_serve.protocol`` for the fields.
+        Each prompt becomes one ``engine.submit(prompt, n, params)``: its ``n`` choices are sibling
+        branches over one prefill, and every request shares the scheduler's decode batches and the
+        radix prefix cache with whatever else the engine is running.
+    ``GET /v1/models``: the one model served. ``GET /health``: ``{"status": "ok"}``, never behind the
+        key. ``GET /metrics``: Prometheus text (``rksc_serve.metrics``).
+
+Promises:
+    * Only the engine's public request API is used (``submit``, ``stats``, ``tokenizer``,
+      ``model_name``, ``context_window``); the engine knows nothing of HTTP.
+    * With ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``
+      (401 otherwise, compared in constant time).
+    * A bad request is HTTP 400 with OpenAI's error JSON ``{"error": {"message", "type":
+      "invalid_request_error", "param", "code": null}}``, ``param`` naming the field (None when the
+      body as a whole is wrong: not JSON, not an object, larger than ``max_body_bytes``). The
+      engine's own ``ValueError``/``TypeError`` (a prompt longer than the context window, ``n``
+      branches that cannot fit the cache budget) are 400s too.
+    * A client that goes away cancels its request: a stream's generator cancels its handles when
+      it is closed, and a non-streamed request is cancelled when the connection drops
+      (polled every ``DISCONNECT_POLL_S``). The scheduler drops the rows and frees their KV.
+    * Streams follow OpenAI's chunk format and end with ``data: [DONE]``; with
+      ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. A
+      choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
+      when it finishes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams
+
+from .logprobs import TokenText, TopLogprobsRecorder
+from .metrics import CountRequests, ServeMetrics
+from .protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    ServeLimits,
+    engine_error_param,
+    error_param,
+)
+from .responses import ChatShape, Shape, TextShape, envelope, stop_reason, usage
+
+# Seconds between checks that the client of a non-streamed request is still connected.
+DISCONNECT_POLL_S = 0.5
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, *,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.error_type, self.code = status, message, param, error_type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def create_app(engine: Any, api_key: str | None = None, *, model_name: str | None = None,
+               max_tokens_limit: int = 4096, max_n: int = 64, max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The OpenAI-compatible app serving ``engine`` (an ``RKSCEngine``).
+
+    Args:
+        engine: The engine every request is submitted to.
+        api_key: When set, requests need ``Authorization: Bearer <api_key>`` (all but ``/health``).
+        model_name: The model id ``/v1/models`` lists and responses name (default ``engine.model_name``).
+            Requests may name any model: there is one.
+        max_tokens_limit: Most ``max_tokens`` a request may ask for, and chat's default.
+        max_n: Most choices one request may ask for (``n`` times its prompts).
+        max_body_bytes: Largest request body accepted.
+
+    Example:
+        >>> app = create_app(RKSCEngine.from_pretrained(), api_key="secret")
+        >>> uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
+    server = _Server(engine, api_key, model_name or engine.model_name,
+                     ServeLimits(max_tokens=max_tokens_limit, max_n=max_n, max_body_bytes=max_body_bytes))
+    app = FastAPI(title="rksc", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.rksc = server
+    app.add_middleware(CountRequests, metrics=server.metrics, paths=ROUTES)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return APIError(error.status_code, str(error.detail)).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        server.authorize(request)
+        body = await server.parse(request, ChatCompletionRequest)
+        _check(body.check)
+        messages = [m.to_engine() for m in body.messages]
+        return await server.generate(request, ChatShape(server.token_text), body, [messages],
+                                     body.sampling_params(server.limits.max_tokens), "messages")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        server.authorize(request)
+        body = await server.parse(request, CompletionRequest)
+        _check(lambda: body.check(server.limits))
+        return await server.generate(request, TextShape(server.token_text), body, body.prompt,
+                                     body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS), "prompt")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        server.authorize(request)
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.started, "owned_by": "rksc",
+            "max_model_len": engine.context_window,
+        }]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        server.authorize(request)
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check(check: Any) -> None:
+    try:
+        check()
+    except InvalidRequest as error:
+        raise APIError(400, str(error), error.param) from None
+
+
+class _Server:
+    """What the routes share: the engine, the limits, the metrics, and the request plumbing."""
+
+    def __init__(self, engine: Any, api_key: str | None, model_name: str, limits: ServeLimits) -> None:
+        self.engine = engine
+        self.api_key = api_key
+        self.model_name = model_name
+        self.limits = limits
+        self.metrics = ServeMetrics(engine)
+        self.token_text = TokenText(engine.tokenizer)
+        self.started = int(time.time())
+
+    # -- requests in ----------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def parse(self, request: Request, model: type[Any]) -> Any:
+        """The body validated as ``model``; 400 for a body over the limit, not JSON, or a bad field."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise APIError(400, f"request body is {declared} bytes; the limit is {limit} bytes")
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise APIError(400, f"request body is over the limit of {limit} bytes")
+        try:
+            return model.model_validate_json(bytes(data), context={"limits": self.limits})
+        except ValidationError as error:
+            raise _validation_error(error) from None
+
+    def submit(self, prompts: Sequence[Any], n: int, params: SamplingParams, *, stream: bool, top_k: int,
+               prompt_param: str) -> tuple[list[RequestHandle], list[TopLogprobsRecorder | None]]:
+        """One engine request per prompt, all queued before any is awaited; the engine's own checks
+        are 400s (and cancel what was already queued)."""
+        handles: list[RequestHandle] = []
+        recorders = [TopLogprobsRecorder(top_k) if top_k else None for _ in prompts]
+        try:
+            for prompt, recorder in zip(prompts, recorders):
+                handles.append(self.engine.submit(prompt, n, params, stream=stream, logits_processor=recorder))
+        except (ValueError, TypeError) as error:
+            for handle in handles:
+                handle.cancel()
+            raise APIError(400, str(error), engine_error_param(str(error), prompt_param)) from None
+        return handles, recorders
+
+    # -- answers out ----------------------------------------------------------------------------
+    async def generate(self, request: Request, shape: Shape, body: Any, prompts: Sequence[Any],
+                       params: SamplingParams, prompt_param: str) -> Response:
+        handles, recorders = self.submit(prompts, body.n, params, stream=body.stream,
+                                         top_k=body.num_top_logprobs, prompt_param=prompt_param)
+        reply = _Reply(self, shape, body, params, recorders)
+        if body.stream:
+            return StreamingResponse(reply.events(handles), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        try:
+            per_prompt = [await handle for handle in handles]
+        except RequestCancelled:
+            raise APIError(499, "the client closed the request", error_type="cancelled") from None
+        except Exception as error:
+            raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
+        finally:
+            watcher.cancel()
+            for handle in handles:
+                if not handle.done():
+                    handle.cancel()
+        self.metrics.count_tokens(per_prompt)
+        return JSONResponse(reply.whole(per_prompt))
+
+
+class _Reply:
+    """One request's answer in ``shape``: a whole body or a stream of server-sent events."""
+
+    def __init__(self, server: _Server, shape: Shape, body: Any, params: SamplingParams,
+                 recorders: list[TopLogprobsRecorder | None]) -> None:
+        self.server, self.shape, self.body, self.params, self.recorders = server, shape, body, params, recorders
+        self.id = shape.id_prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _logprobs(self, completion: Completion, prompt_index: int) -> dict | None:
+        if not self.body.wants_logprobs:
+            return None
+        recorder = self.recorders[prompt_index]
+        top = recorder.top(completion.token_ids) if recorder is not None else None
+        return self.shape.logprobs(completion, top)
+
+    def _stop(self, completion: Completion) -> str | None:
+        return stop_reason(completion, self.params.stop, self.server.engine.tokenizer)
+
+    def whole(self, per_prompt: list[list[Completion]]) -> dict[str, Any]:
+        n = self.body.n
+        choices = [self.shape.choice(p * n + c.branch_index, c, self._logprobs(c, p), self._stop(c))
+                   for p, completions in enumerate(per_prompt) for c in completions]
+        return envelope(self.shape, self.id, self.created, self.server.model_name, choices, chunk=False,
+                        usage_body=usage(per_prompt))
+
+    def _event(self, choices: list[dict], usage_body: dict | None = None) -> str:
+        body = envelope(self.shape, self.id, self.created, self.server.model_name, choices, chunk=True,
+                        usage_body=usage_body)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def events(self, handles: list[RequestHandle]) -> AsyncIterator[str]:
+        """The stream: opening chunks, a chunk per step and choice, the usage chunk, ``[DONE]``.
+
+        Prompts are read one after another; they decode concurrently all the same (their chunks wait
+        in their handles). Closing this generator (the client went away) cancels every handle.
+        """
+        n = self.body.n
+        try:
+            openings = [self.shape.opening_choice(i) for i in range(n * len(handles))]
+            if any(openings):
+                yield self._event([o for o in openings if o])
+            per_prompt: list[list[Completion]] = []
+            for p, handle in enumerate(handles):
+                finished: list[Completion] = []
+                async for chunk in handle:
+                    index = p * n + chunk.branch_index
+                    if chunk.completion is None:
+                        if chunk.text:
+                            yield self._event([self.shape.delta_choice(index, chunk.text)])
+                        continue
+                    completion = chunk.completion
+                    finished.append(completion)
+                    yield self._event([self.shape.final_choice(index, chunk.text, completion,
+                                                               self._logprobs(completion, p), self._stop(completion))])
+                per_prompt.append(sorted(finished, key=lambda c: c.branch_index))
+            self.server.metrics.count_tokens(per_prompt)
+            if self.body.include_usage:
+                yield self._event([], usage(per_prompt))
+            yield "data: [DONE]\n\n"
+        except RequestCancelled:
+            return
+        except Exception as error:  # the headers are gone: report in the stream, as OpenAI does
+            yield f"data: {json.dumps(APIError(500, f'generation failed: {error}', error_type='server_error').body())}\n\n"
+        finally:
+            for handle in handles:
+                if not handle.done():
+                    handle.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if await request.is_disconnected():
+            for handle in handles:
+                handle.cancel()
+            return
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    kind, loc, message = first["type"], tuple(first["loc"]), first["msg"]
+    message = message.removeprefix("Value error, ")
+    if kind == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {message}")
+    param = error_param(loc)
+    if param is None:
+        return APIError(400, f"request body must be a JSON object: {message}")
+    if kind == "missing":
+        return APIError(400, f"{param} is required", param)
+    return APIError(400, f"{param}: {message}", param)

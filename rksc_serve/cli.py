@@ -1,0 +1,72 @@
+"""``rksc serve``: an OpenAI-compatible HTTP server over one engine (``rksc_serve.app``).
+
+Safe by default: it binds to loopback (``--host 127.0.0.1``) unless told otherwise, and warns when
+it listens beyond loopback without ``--api-key``. FastAPI, uvicorn and prometheus-client are imported
+only when the command runs (``pip install 'rksc[serve]'``), so ``rksc --help`` works without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+SERVE_HELP = "serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, metrics)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``rksc serve``'s arguments to ``parser`` and make ``run`` its handler (``args.func``)."""
+    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    parser.add_argument("--max-tokens-limit", type=int, default=4096, help="most max_tokens one request may ask for (default 4096)")
+    parser.add_argument("--max-n", type=int, default=64, help="most choices one request may ask for (default 64)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    parser.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses (default: the model's name)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``rksc serve`` with the parsed ``args`` until interrupted; returns the exit status."""
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as error:
+        raise SystemExit(f"rksc serve needs the serve extra: pip install 'rksc[serve]' ({error})") from None
+    from rksc_engine import RKSCEngine
+
+    if not _is_loopback(args.host) and args.api_key is None:
+        print(f"rksc serve: warning: listening on {args.host} without --api-key; anyone who can reach this "
+              f"address can use the model", file=sys.stderr)
+    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    app = create_app(engine, api_key=args.api_key, model_name=args.served_model_name,
+                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+    print(f"rksc serve: {engine.model_name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rksc serve", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
