@@ -326,9 +326,10 @@ class SchedulerConfig:
         max_batch_rows: Most branches, over all running requests, decoded in one forward (>= 1).
             A request with more branches than this still runs, alone. Default 64 (decode throughput
             on a 2-core CPU stops growing between 32 and 64 rows; a GPU gains to far more).
-        max_prefill_tokens: Prompt tokens one step may prefill before it decodes (>= 1); the first
-            waiting request is admitted whatever its length. Bounds how long running branches wait
-            while new requests are admitted. Default 4096.
+        max_prefill_tokens: Prompt tokens one step may prefill before it decodes (>= 1). A prompt
+            longer than this is prefilled in chunks of this size over several steps (chunked
+            prefill), so running branches never wait on more than one chunk. Chunking changes the
+            prompt's KV only by float rounding (shorter matrix products). Default 4096.
     """
 
     max_batch_rows: int = 64

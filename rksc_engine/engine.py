@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -577,17 +577,40 @@ class RKSCEngine:
                 return DynamicCache(ddp_cache_data=layers, config=self._model.config), match.num_tokens, match.last_node
         return DynamicCache(config=self._model.config), 0, None
 
-    @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int]) -> Prefilled:
-        prefilled = self._prefill_with_asks(prompt_ids)
+        """The whole prompt's KV in one pass (its cached prefix served by the radix cache)."""
+        steps = self._prefill_steps(prompt_ids, None)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def _prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+        """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None).
+
+        A generator: it yields the tokens each pass computed, between passes, so the scheduler can
+        decode other requests in between, and returns the ``Prefilled``. The matched prefix stays
+        locked until it returns or is closed (``close()`` on a cancelled request unlocks it)."""
+        with torch.inference_mode():
+            prefilled = self._prefill_with_asks(prompt_ids)
         if prefilled is not None:
             return prefilled
         cache, matched, node = self._cache_for_prefix(prompt_ids)
         try:
-            input_ids = torch.tensor([prompt_ids[matched:]], device=self.device)
-            out = self._forward(input_ids, cache, logits_to_keep=1)
-            if self._cacheable:
-                self.prefix_cache.insert(prompt_ids, _stack_kv(cache))
+            position = matched
+            while True:
+                end = len(prompt_ids) if chunk_tokens is None else min(len(prompt_ids), position + chunk_tokens)
+                with torch.inference_mode():
+                    input_ids = torch.tensor([prompt_ids[position:end]], device=self.device)
+                    out = self._forward(input_ids, cache, logits_to_keep=1)
+                computed, position = end - position, end
+                if position == len(prompt_ids):
+                    break
+                yield computed
+            with torch.inference_mode():
+                if self._cacheable:
+                    self.prefix_cache.insert(prompt_ids, _stack_kv(cache))
         finally:
             if node is not None:
                 self.prefix_cache.unlock(node)

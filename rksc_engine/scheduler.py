@@ -6,8 +6,9 @@ Each step, under the engine lock:
 1. **Reap**: requests cancelled by their caller leave the batch; their KV is released.
 2. **Admit**: waiting requests are prefilled (through the radix prefix cache, one prefill per prompt
    however many branches it asks for) while the batch has rows left (``scheduler.max_batch_rows``)
-   and the step's prefill budget (``scheduler.max_prefill_tokens``) is not spent; the first request
-   of a step is always admitted, so a prompt longer than the budget still runs.
+   and the step's prefill budget (``scheduler.max_prefill_tokens``) is not spent. A prompt longer
+   than the budget is prefilled in chunks of that size, one per step, while the running requests go
+   on decoding between them.
 3. **Decode**: every running row of every request advances one token in **one forward**. Each
    request keeps its own ``SharedPrefixCache`` (its prompt once, its branches' suffixes); the forward
    sees them together as a ``BatchDecodeCache``, whose attention runs each request's rows over its
@@ -106,6 +107,9 @@ class _Request:
     exact: bool = True
     asks: ASKSDecision | None = None
     locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
+    prefill: Any = None  # the prompt's prefill while it runs in chunks (engine._prefill_steps)
+    prefill_done: int = 0  # tokens its finished prefill passes computed
+    shared_prefix: bool = False  # decode through SharedPrefixCache (the engine's probe said yes)
     num_private_segments: int = 0  # prompt segments the request holds itself (not read from the radix cache)
     admissions: int = 0  # how often it was admitted (more than once after a preemption)
     # After a preemption: per branch, how many tokens and characters its stream already delivered, so
@@ -125,6 +129,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
+        self._prefilling: list[_Request] = []  # admitted, prompt prefilled in chunks over several steps
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stepping = False
@@ -177,7 +182,7 @@ class Scheduler:
 
     def largest_prompt_tokens(self) -> int:
         """Prompt length of the longest request running or waiting (0 when there is none)."""
-        return max((len(r.prompt_ids) for r in [*self._running, *self._waiting]), default=0)
+        return max((len(r.prompt_ids) for r in [*self._running, *self._prefilling, *self._waiting]), default=0)
 
     @property
     def num_running_rows(self) -> int:
@@ -223,7 +228,7 @@ class Scheduler:
             thread.join(timeout)
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._prefilling)
 
     def _loop(self) -> None:
         while True:
@@ -251,10 +256,10 @@ class Scheduler:
             self.num_steps += 1
         except Exception as error:  # a bug or an unrecoverable fault: fail what is running, stay usable
             logger.exception("scheduler step failed; failing the %d running requests", len(self._running))
-            for request in self._running:
+            for request in [*self._running, *self._prefilling]:
                 self._release(request)
                 request.channel.fail(error)
-            self._running = []
+            self._running, self._prefilling = [], []
         finally:
             self._stepping = False
 
@@ -264,6 +269,10 @@ class Scheduler:
             for request in waiting:
                 self._waiting.remove(request)
         for request in waiting:
+            request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
+        for request in [r for r in self._prefilling if r.channel.cancelled.is_set()]:
+            self._prefilling.remove(request)
+            self._release(request)
             request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
         kept = []
         for request in self._running:
@@ -276,40 +285,74 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Advance the requests whose long prompts are being prefilled in chunks, then start waiting
+        requests, while the step's prefill budget (``max_prefill_tokens``) and the batch's rows last.
+        The first prefill of a step always runs, so no prompt waits forever."""
         config = self._engine.config.scheduler
-        prefill_tokens = 0
-        while True:
+        budget = config.max_prefill_tokens
+        for request in list(self._prefilling):
+            if budget <= 0:
+                return
+            budget -= self._prefill_more(request, budget)
+        while budget > 0:
             with self._cv:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-                rows = self.num_running_rows
+                rows = self.num_running_rows + sum(r.n for r in self._prefilling)
                 limit = config.max_batch_rows if self._rows_cap is None else min(config.max_batch_rows, self._rows_cap)
-                if self._running and rows + request.n > limit:
+                if (self._running or self._prefilling) and rows + request.n > limit:
                     return
-                if prefill_tokens and prefill_tokens + len(request.prompt_ids) > config.max_prefill_tokens:
-                    return
+                if budget < config.max_prefill_tokens and len(request.prompt_ids) > budget:
+                    return  # not this step: its prompt would overrun what is left of the budget
                 self._waiting.popleft()
-            prefill_tokens += len(request.prompt_ids)
+            engine = self._engine
             try:
-                self._start(request)
-            except Exception as error:  # this request fails; the others go on
+                request.shared_prefix = engine._use_shared_prefix()  # may refuse (forced but unsupported)
+            except Exception as error:  # this request fails, nothing counted; the others go on
                 self._release(request)
                 request.channel.fail(error)
+                continue
+            request.admissions += 1
+            if request.admissions == 1:
+                engine._stats.requests += 1
+            request.prefill = engine._prefill_steps(request.prompt_ids, config.max_prefill_tokens)
+            self._prefilling.append(request)
+            budget -= self._prefill_more(request, budget)
+
+    def _prefill_more(self, request: _Request, budget: int) -> int:
+        """Run ``request``'s next prefill pass (at most ``max_prefill_tokens`` tokens); when the prompt
+        is done, fan it out to its branches and take their first tokens. Returns the tokens computed."""
+        self._prefilling.remove(request)
+        try:
+            computed = next(request.prefill)
+        except StopIteration as done:
+            request.prefill = None
+            try:
+                self._start(request, done.value)
+            except Exception as error:
+                self._release(request)
+                request.channel.fail(error)
+            last_pass = len(request.prompt_ids) - request.num_cached_tokens - request.prefill_done
+            request.prefill_done = 0
+            return max(1, last_pass)
+        except Exception as error:
+            request.prefill = None
+            self._release(request)
+            request.channel.fail(error)
+            return budget
+        request.prefill_done += computed
+        self._prefilling.append(request)  # more passes to go, in later steps
+        return computed
 
     @torch.inference_mode()
-    def _start(self, request: _Request) -> None:
-        """Prefill the prompt once, fan it out to the ``n`` branches, and take their first tokens."""
+    def _start(self, request: _Request, prefilled: Any) -> None:
+        """Fan the prefilled prompt out to the ``n`` branches and take their first tokens."""
         engine = self._engine
-        shared_prefix = engine._use_shared_prefix()
-        request.admissions += 1
-        if request.admissions == 1:
-            engine._stats.requests += 1
-        prefilled = engine._prefill(request.prompt_ids)
         request.num_cached_tokens = prefilled.num_cached_tokens
         request.exact, request.asks = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
-        request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, shared_prefix,
+        request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
                                            request=request if prefilled.exact else None)
         request.branches = [_Branch(i) for i in range(request.n)]
         for branch in request.branches:
@@ -370,6 +413,9 @@ class Scheduler:
 
     def _release(self, request: _Request) -> None:
         """Drop a request's KV and unlock the radix nodes it read (exactly once)."""
+        if request.prefill is not None:  # mid-prefill: closing it unlocks the prefix it matched
+            request.prefill.close()
+            request.prefill = None
         request.cache = None
         if request.locked_node is not None:
             self._engine.prefix_cache.unlock(request.locked_node)

@@ -302,3 +302,39 @@ def test_awaiting_a_request_inside_exclusive_does_not_deadlock():
 
     first, chunks = asyncio.run(main())
     assert first.token_ids == want and chunks[-1].completion.token_ids == want
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_another_request_keeps_decoding():
+    engine = engine_for(1, scheduler=SchedulerConfig(max_prefill_tokens=16))
+    long_prompt = "A much longer prompt, repeated. " * 5  # 160 tokens: ten chunks
+    greedy = SamplingParams(max_new_tokens=12)
+    want_long = hf_greedy(engine, long_prompt, 12)
+    want_short = hf_greedy(engine, "hi", 30)
+    engine.reset_stats()
+    with engine.exclusive():
+        short = engine.submit("hi", 1, SamplingParams(max_new_tokens=30))
+        long = engine.submit(long_prompt, 1, greedy)
+        steps_before = engine._scheduler.num_steps
+    got_short, got_long = short.result()[0], long.result()[0]
+    assert got_long.token_ids == want_long, "chunked prefill changed the greedy tokens"
+    assert got_short.token_ids == want_short
+    stats = engine.stats()
+    assert stats.prompt_tokens_computed == len(engine.encode(long_prompt)) + len(engine.encode("hi"))
+    assert engine._scheduler.num_steps - steps_before >= 10  # one chunk per step, decode in between
+    assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes())
+
+
+def test_cancelling_a_request_mid_prefill_unlocks_its_cached_prefix():
+    engine = engine_for(0, scheduler=SchedulerConfig(max_prefill_tokens=8))
+    prompt = "The same cached opening, then more. " * 4
+    engine.generate(prompt[:40], SamplingParams(max_new_tokens=1))  # cache an opening it will match
+    with engine.exclusive():
+        handle = engine.submit(prompt, 1, SamplingParams(max_new_tokens=4))
+        engine._scheduler.step()  # admitted: the first chunk ran, the matched prefix is locked
+        assert engine._scheduler._prefilling
+        handle.cancel()
+        engine._scheduler.step()
+    with pytest.raises(RequestCancelled):
+        handle.result(timeout=10)
+    assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes()), "a cancelled prefill kept its lock"
+    engine.prefix_cache.check_consistency()
