@@ -155,7 +155,7 @@ class RemoteEngine:
         body.update(_sampling_body(path, n, params, stream))
         channel = RequestChannel()
         request_id = next(self._ids)
-        handle = RequestHandle(request_id, None, n, channel, _Waiter(channel, request_id))  # type: ignore[arg-type]
+        handle = RequestHandle(request_id, None, n, channel, _Waiter(channel, request_id))
         self._pool.submit(self._run, channel, request_id, path, body, n, params, stream)
         return handle
 
@@ -164,8 +164,8 @@ class RemoteEngine:
         return self.submit(prompt, 1, params).result()[0]
 
     def generate_branches(self, prompt: Any, n: int, params: SamplingParams | None = None) -> list[Completion]:
-        """``n`` completions of one prompt, in one request (``n``); branch i is seeded ``seed + i`` on
-        ``rksc serve`` and vLLM."""
+        """``n`` completions of one prompt, in one request (``n``). On ``rksc serve`` branch i is seeded
+        ``seed + i``, as in a local engine; other servers seed the request as they do."""
         return self.submit(prompt, n, params).result()
 
     def generate_many(self, prompts: Sequence[Any], params: SamplingParams | None = None) -> list[Completion]:
@@ -304,28 +304,29 @@ class RemoteEngine:
         ``Completion``) once the stream has ended and the usage is known."""
         choices: dict[int, _Choice] = {}
         usage, ended = None, False
-        with response:
-            try:
-                for line in response.iter_lines():
-                    if channel.cancelled.is_set():
-                        raise RequestCancelled(f"request {request_id} was cancelled")
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        ended = True
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise RemoteServerError(f"{self.base_url}/{path}: {_message(event)}", 0)
-                    usage = event.get("usage") or usage
-                    for choice in event.get("choices") or []:
-                        index = int(choice.get("index", 0))
-                        text = choices.setdefault(index, _Choice(index)).add(choice, path, delta=True)
-                        if text:
-                            channel.push(StreamChunk(text, branch_index=index))
-            except self._httpx.TransportError as error:
-                raise ConnectionError(f"the stream from {self.base_url}/{path} broke off: {error}") from error
+        try:
+            for line in response.iter_lines():
+                if channel.cancelled.is_set():
+                    raise RequestCancelled(f"request {request_id} was cancelled")
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    ended = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RemoteServerError(f"{self.base_url}/{path}: {_message(event)}", 0)
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or []:
+                    index = int(choice.get("index", 0))
+                    text = choices.setdefault(index, _Choice(index)).add(choice, path, delta=True)
+                    if text:
+                        channel.push(StreamChunk(text, branch_index=index))
+        except self._httpx.TransportError as error:
+            raise ConnectionError(f"the stream from {self.base_url}/{path} broke off: {error}") from error
+        finally:
+            response.close()
         if not ended:
             raise ConnectionError(f"the stream from {self.base_url}/{path} ended before 'data: [DONE]'")
         completions = _completions(choices, n, params, usage)
@@ -370,11 +371,15 @@ class RemoteEngine:
 
 
 class _Waiter:
-    """What a ``RequestHandle`` waits with: the worker thread fills the channel, nothing to step."""
+    """The ``RequestDriver`` of a remote request: the worker thread fills the channel, there is
+    nothing to step."""
 
     def __init__(self, channel: RequestChannel, request_id: int) -> None:
         self._channel = channel
         self._request_id = request_id
+
+    def owns_engine(self) -> bool:
+        return False  # no engine lock here: an awaiting caller always waits for the worker
 
     def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
         channel.wait(timeout)

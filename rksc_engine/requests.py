@@ -20,7 +20,7 @@ import asyncio
 import collections
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,21 @@ from .types import Completion, StreamChunk
 # the order of ``logits``) and the next-token logits of those rows, (B, V), return the logits to
 # sample from (same shape). It runs inside the scheduler's step, for this request's rows only.
 LogitsProcessor = Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]
+
+
+class RequestDriver(Protocol):
+    """What a ``RequestHandle`` needs from whoever fills its channel: the local scheduler, or a
+    remote engine's transport."""
+
+    def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
+        """Block until ``channel`` has news (or ``timeout`` passes), making progress if only the
+        caller can (the local scheduler, when the caller holds the engine)."""
+
+    def wake(self) -> None:
+        """A request changed (it was cancelled): look again."""
+
+    def owns_engine(self) -> bool:
+        """Whether the calling thread holds the engine (then awaiting must step it, not wait)."""
 
 
 class RequestCancelled(RuntimeError):
@@ -129,14 +144,12 @@ class RequestHandle:
         n: Branches requested.
     """
 
-    def __init__(self, request_id: int, num_prompt_tokens: int, n: int, channel: RequestChannel,
-                 scheduler: Any) -> None:
+    def __init__(self, request_id: int, num_prompt_tokens: int | None, n: int, channel: RequestChannel,
+                 scheduler: RequestDriver) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
         self._channel = channel
-        # ``scheduler.wait_for(channel, timeout)`` waits for progress (running a step itself when the
-        # caller holds the engine); ``scheduler.wake()`` tells it a request changed.
         self._scheduler = scheduler
 
     # -- state ----------------------------------------------------------------------------------

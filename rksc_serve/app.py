@@ -112,6 +112,10 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail)).response()
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", error_type="server_error").response()
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         server.authorize(request)
@@ -119,7 +123,7 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         _check(body.check)
         messages = [m.to_engine() for m in body.messages]
         return await server.generate(request, ChatShape(server.token_text), body, [messages],
-                                     body.sampling_params(server.limits.max_tokens), "messages")
+                                     server.limits.max_tokens, "messages")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -127,7 +131,7 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         body = await server.parse(request, CompletionRequest)
         _check(lambda: body.check(server.limits))
         return await server.generate(request, TextShape(server.token_text), body, body.prompt,
-                                     body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS), "prompt")
+                                     COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -193,26 +197,28 @@ class _Server:
         except ValidationError as error:
             raise _validation_error(error) from None
 
-    def submit(self, prompts: Sequence[Any], n: int, params: SamplingParams, *, stream: bool, top_k: int,
-               prompt_param: str) -> tuple[list[RequestHandle], list[TopLogprobsRecorder | None]]:
+    def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str
+               ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
         """One engine request per prompt, all queued before any is awaited; the engine's own checks
         are 400s (and cancel what was already queued)."""
         handles: list[RequestHandle] = []
+        top_k, n, stream = body.num_top_logprobs, body.n, body.stream
         recorders = [TopLogprobsRecorder(top_k) if top_k else None for _ in prompts]
         try:
+            params = body.sampling_params(default_max_tokens)
             for prompt, recorder in zip(prompts, recorders):
                 handles.append(self.engine.submit(prompt, n, params, stream=stream, logits_processor=recorder))
         except (ValueError, TypeError) as error:
             for handle in handles:
                 handle.cancel()
-            raise APIError(400, str(error), engine_error_param(str(error), prompt_param)) from None
-        return handles, recorders
+            param = engine_error_param(str(error), prompt_param)
+            raise APIError(400, f"{param}: {error}", param) from None
+        return params, handles, recorders
 
     # -- answers out ----------------------------------------------------------------------------
     async def generate(self, request: Request, shape: Shape, body: Any, prompts: Sequence[Any],
-                       params: SamplingParams, prompt_param: str) -> Response:
-        handles, recorders = self.submit(prompts, body.n, params, stream=body.stream,
-                                         top_k=body.num_top_logprobs, prompt_param=prompt_param)
+                       default_max_tokens: int, prompt_param: str) -> Response:
+        params, handles, recorders = self.submit(prompts, body, default_max_tokens, prompt_param)
         reply = _Reply(self, shape, body, params, recorders)
         if body.stream:
             return StreamingResponse(reply.events(handles), media_type="text/event-stream",

@@ -94,7 +94,7 @@ class _GenerationRequest(BaseModel):
     """Most generated tokens per generation."""
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     """Seed of generation 0; generation i is seeded ``seed + i``, so a seeded request is reproducible."""
-    stop: Any = None
+    stop: Any = Field(None, validate_default=True)
     """A stop string or a list of them; the text is cut before the first one."""
     stream: bool = False
     """Answer with server-sent events, one chunk per decode step and generation."""
@@ -178,7 +178,7 @@ class ChatMessage(BaseModel):
 
     role: ChatRole
     """OpenAI's roles; ``developer`` is rendered as ``system``."""
-    content: Any = None
+    content: Any = Field(None, validate_default=True)
     """A string, or a list of ``{"type": "text", "text": ...}`` parts (joined); None is empty."""
 
     @field_validator("content")

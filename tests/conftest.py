@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import operator
 import string
 
@@ -139,3 +140,43 @@ def evaluate_arithmetic(expression: str) -> str:
         return str(evaluate(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError) as exc:
         return f"error: {exc}"
+
+
+@contextlib.contextmanager
+def serving(app, timeout_s: float = 10.0):
+    """Serve the ASGI ``app`` with uvicorn on a free loopback port (picked now, by binding port 0) in
+    a background thread; yields the base URL (``http://127.0.0.1:PORT``) and stops the server after."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
+
+
+def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    """Poll ``condition()`` until it is true (returns True) or ``timeout_s`` passes (returns False)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
