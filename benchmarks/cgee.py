@@ -25,6 +25,20 @@ bound), and a two-fold check calibrates on half the questions and counts errors 
     ./dev python benchmarks/cgee.py --from-records benchmarks/results/cgee_records.json
 
 With ``--data``, the first ``--shots`` rows are the worked examples and the questions follow them.
+
+``--workload ladder`` asks where CGEE can act: the difficulty ladder (``ladder_problems``: 1- to
+4-step arithmetic word problems, ``--per-level`` of each, with one-step worked examples worded
+unlike them), or ``--data`` rows leveled by their solution's steps. Each batch of ``--batch``
+questions has its branches submitted together (the scheduler decodes them as one batch); then each
+vote is verified at full depth on its own and timed. Per question the record keeps the vote
+(``p``, ``lead``, shares), always-verify's answer and seconds, and the gold answer, which is all
+``cgee.calibrate_split`` needs: it picks ``tau_conf``/``margin`` on a seeded half (no accuracy
+lost against always verifying by ``--rule``, the most verifier time saved) and the tables report
+them per level on the other half, beside the library default on every question.
+
+    ./dev python benchmarks/cgee.py --workload ladder --per-level 8                 # a quick look
+    ./dev python benchmarks/cgee.py --workload ladder --per-level 420 --batch 32    # >= 1,600 decisions
+    ./dev python benchmarks/cgee.py --from-records benchmarks/results/cgee_ladder_records.json
 """
 
 from __future__ import annotations
@@ -32,6 +46,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,22 +57,30 @@ from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.cgee import (
     CalibrationRecord,
     CGEEConfig,
+    OutcomeSummary,
+    QuestionOutcome,
     calibrate,
+    calibrate_split,
     lens_entropy,
     lens_exit_layer,
     pick_answer,
     should_skip,
+    summarise_outcomes,
     wilson_interval,
 )
 from rksc_engine.datasets import (
     CHOICE_SYSTEM_PROMPT,
     SYSTEM_PROMPT,
+    Problem,
     few_shot_messages,
+    ladder_problems,
+    ladder_shots,
     load_problems_jsonl,
+    solution_steps,
     synthetic_choice_problems,
     synthetic_problems,
 )
-from rksc_engine.reasoning import EXTRACTORS, BranchAnswer, verify_and_pick
+from rksc_engine.reasoning import EXTRACTORS, BranchAnswer, finish_reasoning, plan_reasoning, verify_and_pick
 from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, LLMJudgeVerifier
 
 ARMS = {
@@ -110,6 +134,33 @@ def run_question(qi, problem, shots, kind, engine, judge, recorder, params, args
     if trace is not None:
         record.update(full_pass_s=trace.pass_s, full_prefill_s=trace.prefill_s)
     return record
+
+
+def run_arms(args: argparse.Namespace, out: Path) -> tuple[dict, list[dict]]:
+    """Generate each question's branches once and decide under every timed arm, saving as it goes."""
+    engine = RKSCEngine.from_pretrained(args.model)
+    kind, shots, questions = load_questions(args)
+    judge_prompt = CHOICE_JUDGE_PROMPT if kind == "choice" else JUDGE_SYSTEM_PROMPT
+    judge = LLMJudgeVerifier(engine, system_prompt=judge_prompt)
+    recorder = LLMJudgeVerifier(engine, system_prompt=judge_prompt, record_lens=True)
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_new_tokens, stop=("<|im_end|>",))
+    meta = {"workload": "arms", "model": engine.model_name, "format": kind, "source": args.data or f"synthetic {kind}",
+            "branches": args.branches, "shots": args.shots, "max_new_tokens": args.max_new_tokens,
+            "torch_threads": torch.get_num_threads(), "arms": sorted(args.arms), "timed_every": args.timed_every,
+            "arm_configs": {name: config.__dict__ for name, config in ARMS.items()}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw, started = [], time.perf_counter()
+    for qi, problem in enumerate(tqdm(questions, desc="questions")):
+        if args.time_budget_min is not None and time.perf_counter() - started > args.time_budget_min * 60:
+            print(f"time budget of {args.time_budget_min} min reached after {qi} questions")
+            break
+        raw.append(run_question(qi, problem, shots, kind, engine, judge, recorder, params, args))
+        if qi % 5 == 4:  # saved as it goes, so an interrupted run still leaves its records
+            out.write_text(json.dumps({"meta": meta, "records": raw}))
+    meta["wall_s"] = time.perf_counter() - started
+    out.write_text(json.dumps({"meta": meta, "records": raw}))
+    print(f"wrote {len(raw)} raw records to {out}")
+    return meta, raw
 
 
 def replay(record: CalibrationRecord, config: CGEEConfig) -> tuple[str | None, bool, int | None]:
@@ -271,8 +322,167 @@ def print_calibration(report: dict) -> None:
           f"[Wilson 95% {h['wilson'][0]:.1%}, {h['wilson'][1]:.1%}]")
 
 
+# -- the difficulty ladder --------------------------------------------------------------------------
+def problem_level(problem: Problem, kind: str) -> int:
+    """A question's difficulty level: the steps of its worked solution (``solution_steps``; a
+    ``LadderProblem``'s ``level``), or 0 for multiple choice, whose solutions do not count steps."""
+    return 0 if kind == "choice" else solution_steps(problem)
+
+
+def ladder_questions(args: argparse.Namespace) -> tuple[str, list[Problem], list[Problem]]:
+    """``(format, shots, questions)``: the generated ladder, or ``--data`` rows (levels by ``problem_level``)."""
+    if args.data:
+        return load_questions(args)
+    levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+    return "gsm8k", ladder_shots(args.shots, seed=1), ladder_problems(args.per_level, levels, seed=args.seed)
+
+
+def run_ladder_batch(engine: RKSCEngine, judge: LLMJudgeVerifier, batch: Sequence[tuple[int, Problem]],
+                     shots: list[Problem], kind: str, params: SamplingParams, branches: int) -> list[dict]:
+    """One raw record per question of ``batch`` (``(index, problem)`` pairs).
+
+    Every question's branches are queued at once, so the scheduler decodes them as one batch (up to
+    ``scheduler.max_batch_rows``); then each vote is verified at full depth, one question at a time
+    with nothing else running, so each verification's measured seconds (``verify_s``) are its own. Question ``i``'s branches are
+    seeded ``1000 * (i + 1) + b``, so a rerun draws the same branches. A record holds the
+    ``QuestionOutcome`` fields (``shares``, ``full_answer``, ``gold``, ``verify_s``, ``level``) plus
+    ``generate_s`` (the batch's generation wall time over its questions) and the branches.
+    """
+    system = CHOICE_SYSTEM_PROMPT if kind == "choice" else SYSTEM_PROMPT
+    plans = [plan_reasoning(engine, problem.question, n=branches, params=replace(params, seed=1000 * (i + 1)),
+                            prompt=few_shot_messages(problem.question, shots, system), answer_extractor=kind,
+                            verifier=judge, cgee=CGEEConfig.off())
+             for i, problem in batch]
+    start = time.perf_counter()
+    with engine.exclusive():  # no step starts until every request is queued, so the first admits them together
+        handles = [engine.submit(plan.messages, plan.n, plan.params) for plan in plans]
+    completions = [handle.result() for handle in handles]
+    generate_s = (time.perf_counter() - start) / len(batch)
+    records = []
+    for (i, problem), plan, branch_completions in zip(batch, plans, completions):
+        result = finish_reasoning(plan, branch_completions, generate_s)
+        report = result.verification
+        outcome = QuestionOutcome(result.vote_summary, result.answer, problem.answer, report.verify_s,
+                                  problem_level(problem, kind))
+        record = outcome.to_dict()
+        record.update(index=i, question=problem.question, generate_s=generate_s, p=report.p, lead=report.lead,
+                      branches=[{"answer": b.answer, "confidence": b.confidence, "text": b.text} for b in result.branches])
+        if report.scores:
+            trace = judge.last_traces[0]
+            record.update(full_pass_s=trace.pass_s, full_prefill_s=trace.prefill_s,
+                          scores=[s.score for s in report.scores])
+            if trace.lens_logits is not None:
+                record["lens_logits"] = trace.lens_logits.tolist()
+        records.append(record)
+    return records
+
+
+def run_ladder(args: argparse.Namespace, out: Path) -> tuple[dict, list[dict]]:
+    """Generate and verify the ladder batch by batch, saving the records after each batch."""
+    engine = RKSCEngine.from_pretrained(args.model)
+    kind, shots, questions = ladder_questions(args)
+    judge = LLMJudgeVerifier(engine, system_prompt=CHOICE_JUDGE_PROMPT if kind == "choice" else JUDGE_SYSTEM_PROMPT,
+                             record_lens=args.record_lens)
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_new_tokens, stop=("<|im_end|>",))
+    meta = {"workload": "ladder", "model": engine.model_name, "format": kind,
+            "source": args.data or f"ladder levels {args.levels}, {args.per_level} per level, seed {args.seed}",
+            "branches": args.branches, "shots": args.shots, "max_new_tokens": args.max_new_tokens,
+            "batch": args.batch, "torch_threads": torch.get_num_threads(), "device": str(engine.device)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    raw, started = [], time.perf_counter()
+    indexed = list(enumerate(questions))
+    for first in tqdm(range(0, len(indexed), args.batch), desc="batches"):
+        if args.time_budget_min is not None and time.perf_counter() - started > args.time_budget_min * 60:
+            print(f"time budget of {args.time_budget_min} min reached after {len(raw)} questions")
+            break
+        raw += run_ladder_batch(engine, judge, indexed[first: first + args.batch], shots, kind, params, args.branches)
+        out.write_text(json.dumps({"meta": meta, "records": raw}))  # an interrupted run keeps its records
+    meta["wall_s"] = time.perf_counter() - started
+    out.write_text(json.dumps({"meta": meta, "records": raw}))
+    print(f"wrote {len(raw)} raw records to {out}")
+    return meta, raw
+
+
+def _row(label: str, summary: OutcomeSummary, generate_s: float) -> dict:
+    """One table row: the summary's counts and rates, and the end-to-end ratio against always verifying."""
+    full_s = generate_s + summary.verify_s
+    return {"group": label, **asdict(summary), "skip_rate": summary.skip_rate,
+            "decision_error_rate": summary.decision_error_rate, "decision_error_wilson": summary.decision_error_wilson,
+            "vote_accuracy": summary.vote_accuracy, "full_accuracy": summary.full_accuracy,
+            "cgee_accuracy": summary.cgee_accuracy, "cgee_accuracy_wilson": summary.cgee_accuracy_wilson,
+            "verify_saved_fraction": summary.verify_saved_fraction, "generate_s": generate_s,
+            "end_to_end_ratio": (full_s - summary.verify_s_saved) / full_s if full_s > 0 else 1.0}
+
+
+def _level_rows(raw: list[dict], config: CGEEConfig) -> list[dict]:
+    """Per level, then all levels together, what ``config`` does on ``raw``."""
+    rows = []
+    for level in sorted({r["level"] for r in raw}):
+        group = [r for r in raw if r["level"] == level]
+        rows.append(_row(str(level), summarise_outcomes([QuestionOutcome.from_dict(r) for r in group], config),
+                         sum(r["generate_s"] for r in group)))
+    rows.append(_row("all", summarise_outcomes([QuestionOutcome.from_dict(r) for r in raw], config),
+                     sum(r["generate_s"] for r in raw)))
+    return rows
+
+
+def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candidate: CGEEConfig | None = None) -> dict:
+    """Per-level tables (library default on every question; thresholds chosen on one half by
+    ``calibrate_split``, on the other half; ``candidate`` on every question) and the split's result."""
+    split = calibrate_split([QuestionOutcome.from_dict(r) for r in raw], seed=seed, rule=rule)
+    held = [raw[i] for i in split.held_out_indices]
+    tables = {"library default CGEEConfig(), all questions": _level_rows(raw, CGEEConfig()),
+              "chosen on the calibration half, held-out half": _level_rows(held, split.config)}
+    if candidate is not None:
+        tables[f"candidate tau={candidate.tau_conf} margin={candidate.margin}, all questions"] = _level_rows(raw, candidate)
+    generate_s, verify_s = sum(r["generate_s"] for r in raw), sum(r.get("verify_s", 0.0) for r in raw)
+    return {"rule": rule, "seed": seed, "tables": tables,
+            "chosen": {"tau_conf": split.config.tau_conf, "margin": split.config.margin,
+                       "skip_enabled": split.config.skip_enabled},
+            "calibration_half": _row("calibration half", split.calibration, 0.0),
+            "keeps_accuracy_held_out": split.keeps_accuracy_held_out,
+            "verifier_decisions": sum(bool(r["shares"]) for r in raw),
+            "generate_s": generate_s, "verify_s": verify_s,
+            "verify_share": verify_s / (generate_s + verify_s) if generate_s + verify_s > 0 else 0.0}
+
+
+def print_ladder(report: dict, meta: dict) -> None:
+    print(f"\nDifficulty ladder: {meta['source']}; {meta['branches']} branches, {meta['shots']}-shot, model "
+          f"{meta['model']}; {report['verifier_decisions']} verifier decisions"
+          + (f", run took {meta['wall_s'] / 60:.1f} min" if "wall_s" in meta else ""))
+    for title, rows in report["tables"].items():
+        print(f"\n{title}\n")
+        print("| level | questions | decisions | vote acc | always-verify acc | CGEE acc [Wilson 95%] | skip rate "
+              "| decision error vs always-verify [Wilson 95%] | skips lost / gained | verifier time saved "
+              "| end-to-end vs always-verify |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            low, high = r["cgee_accuracy_wilson"]
+            e_low, e_high = r["decision_error_wilson"]
+            print(f"| {r['group']} | {r['num_questions']} | {r['num_decisions']} | {r['vote_accuracy']:.1%} "
+                  f"| {r['full_accuracy']:.1%} | {r['cgee_accuracy']:.1%} [{low:.1%}, {high:.1%}] | {r['skip_rate']:.1%} "
+                  f"| {r['num_decision_errors']}/{r['num_decisions']} = {r['decision_error_rate']:.1%} "
+                  f"[{e_low:.1%}, {e_high:.1%}] | {r['num_lost']} / {r['num_gained']} | {r['verify_s_saved']:.2f}s ({r['verify_saved_fraction']:.0%}) "
+                  f"| {r['end_to_end_ratio']:.3f}x |")
+    c, cal = report["chosen"], report["calibration_half"]
+    print(f"\nChosen on the calibration half (rule '{report['rule']}', split seed {report['seed']}): "
+          f"skip={c['skip_enabled']} tau_conf={c['tau_conf']} margin={c['margin']}; there it skipped "
+          f"{cal['skip_rate']:.1%} at accuracy {cal['cgee_accuracy']:.1%} vs always-verify {cal['full_accuracy']:.1%}. "
+          f"On the held-out half it {'kept' if report['keeps_accuracy_held_out'] else 'did NOT keep'} accuracy by that rule.")
+    print(f"Verification is {report['verify_share']:.1%} of the always-verify pipeline's time (generation "
+          f"{report['generate_s']:.1f}s, verification {report['verify_s']:.1f}s): skipping can save at most that share.")
+    everything = report["tables"]["library default CGEEConfig(), all questions"][-1]
+    if everything["full_accuracy"] < everything["vote_accuracy"]:
+        print(f"The judge is LESS accurate than the vote it checks ({everything['full_accuracy']:.1%} vs "
+              f"{everything['vote_accuracy']:.1%}): always verifying costs accuracy here, so every skip that "
+              f"returns the vote winner can only help on average, and the no-loss rule lets CGEE skip freely.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("arms", "ladder"), default="arms",
+                        help="arms: time the CGEE arms on --data / --synthetic questions (default); ladder: the "
+                             "difficulty ladder, always-verify recorded per question, thresholds chosen on half")
     parser.add_argument("--model", default=None)
     parser.add_argument("--data", default=None, help="GSM8K or multiple-choice JSONL (default: synthetic)")
     parser.add_argument("--synthetic", choices=("gsm8k", "choice"), default="gsm8k")
@@ -285,8 +495,18 @@ def main() -> None:
     parser.add_argument("--timed-every", type=int, default=1,
                         help="run the arms other than 'full' on every k-th question only (default 1: all)")
     parser.add_argument("--target-error", type=float, default=0.05)
-    parser.add_argument("--records-out", default="benchmarks/results/cgee_records.json")
-    parser.add_argument("--json-out", default="benchmarks/results/cgee.json")
+    parser.add_argument("--per-level", type=int, default=8, help="ladder: questions per level")
+    parser.add_argument("--levels", default="1,2,3,4", help="ladder: comma-separated levels (steps), from 1 to 4")
+    parser.add_argument("--batch", type=int, default=16, help="ladder: questions whose branches are submitted together")
+    parser.add_argument("--seed", type=int, default=0, help="ladder: seed of the generated questions and of the split")
+    parser.add_argument("--rule", choices=("wilson", "observed"), default="wilson",
+                        help="ladder: accuracy rule the thresholds are held to (see cgee.OutcomeSummary.keeps_accuracy)")
+    parser.add_argument("--candidate", default=None, help="ladder: also tabulate 'TAU,MARGIN' on every question")
+    parser.add_argument("--record-lens", action="store_true",
+                        help="ladder: also record the logit lens of every verifier pass (for level-2 analysis)")
+    parser.add_argument("--records-out", default=None,
+                        help="default benchmarks/results/cgee_records.json (ladder: cgee_ladder_records.json)")
+    parser.add_argument("--json-out", default=None, help="default benchmarks/results/cgee.json (ladder: cgee_ladder.json)")
     parser.add_argument("--from-records", default=None, help="calibrate from saved records; generate nothing")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads; 1 is far faster on a CPU shared with other jobs")
@@ -297,43 +517,49 @@ def main() -> None:
     unknown = args.arms - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; choose from {list(ARMS)}")
+    for name in ("per_level", "batch", "branches", "questions"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    candidate = None
+    if args.candidate:
+        try:
+            tau, margin = (float(x) for x in args.candidate.split(","))
+            candidate = CGEEConfig(skip_enabled=True, tau_conf=tau, margin=margin)
+        except ValueError as exc:
+            parser.error(f"--candidate must be 'TAU,MARGIN' with both in [0, 1]: {exc}")
+    if args.workload == "ladder" and not args.data:
+        try:
+            ladder_problems(1, tuple(int(x) for x in args.levels.split(",") if x.strip()))
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--levels: {exc}")
+    prefix = "cgee_ladder" if args.workload == "ladder" else "cgee"
+    args.records_out = args.records_out or f"benchmarks/results/{prefix}_records.json"
+    args.json_out = args.json_out or f"benchmarks/results/{prefix}.json"
 
     if args.from_records:
         saved = json.loads(Path(args.from_records).read_text())
         meta, raw = saved["meta"], saved["records"]
+        workload = meta.get("workload", "arms")
     else:
-        engine = RKSCEngine.from_pretrained(args.model)
-        kind, shots, questions = load_questions(args)
-        judge_prompt = CHOICE_JUDGE_PROMPT if kind == "choice" else JUDGE_SYSTEM_PROMPT
-        judge = LLMJudgeVerifier(engine, system_prompt=judge_prompt)
-        recorder = LLMJudgeVerifier(engine, system_prompt=judge_prompt, record_lens=True)
-        params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_new_tokens, stop=("<|im_end|>",))
-        meta = {"model": engine.model_name, "format": kind, "source": args.data or f"synthetic {kind}",
-                "branches": args.branches, "shots": args.shots, "max_new_tokens": args.max_new_tokens,
-                "torch_threads": torch.get_num_threads(), "arms": sorted(args.arms), "timed_every": args.timed_every,
-                "arm_configs": {name: config.__dict__ for name, config in ARMS.items()}}
-        out = Path(args.records_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        raw, started = [], time.perf_counter()
-        for qi, problem in enumerate(tqdm(questions, desc="questions")):
-            if args.time_budget_min is not None and time.perf_counter() - started > args.time_budget_min * 60:
-                print(f"time budget of {args.time_budget_min} min reached after {qi} questions")
-                break
-            raw.append(run_question(qi, problem, shots, kind, engine, judge, recorder, params, args))
-            if qi % 5 == 4:  # saved as it goes, so an interrupted run still leaves its records
-                out.write_text(json.dumps({"meta": meta, "records": raw}))
-        meta["wall_s"] = time.perf_counter() - started
-        out.write_text(json.dumps({"meta": meta, "records": raw}))
-        print(f"wrote {len(raw)} raw records to {out}")
+        workload = args.workload
+        meta, raw = (run_ladder if workload == "ladder" else run_arms)(args, Path(args.records_out))
 
+    if workload == "ladder":
+        report = ladder_report(raw, seed=args.seed, rule=args.rule, candidate=candidate)
+        print_ladder(report, meta)
+        write_json(Path(args.json_out), {"meta": meta, "ladder": report})
+        return
     rows = print_arms(raw, meta)
     # Older record files lack the arm configs; they ran with the defaults of the time (see the note).
     arm_configs = {name: CGEEConfig(**c) for name, c in meta.get("arm_configs", {}).items()} or ARMS
     report = calibration_report(raw, args.target_error, arm_configs)
     print_calibration(report)
-    out = Path(args.json_out)
+    write_json(Path(args.json_out), {"meta": meta, "arms": rows, "calibration": report})
+
+
+def write_json(out: Path, data: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "arms": rows, "calibration": report}, indent=2))
+    out.write_text(json.dumps(data, indent=2))
     print(f"\nwrote {out}")
 
 

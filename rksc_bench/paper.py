@@ -43,6 +43,7 @@ from rksc_engine.datasets import (
     few_shot_messages,
     load_choice_jsonl,
     load_gsm8k_jsonl,
+    solution_steps,
     synthetic_choice_problems,
     synthetic_problems,
 )
@@ -234,11 +235,6 @@ def _same_answer(a: str, b: str) -> bool:
     return norm(a).lower() == norm(b).lower()
 
 
-def _difficulty(problem: Problem) -> int:
-    """Reasoning steps in the reference solution: its non-empty lines before the answer line."""
-    return max(1, sum(1 for line in problem.solution.splitlines() if line.strip() and not line.startswith("####")))
-
-
 def load_problems(config: BenchConfig) -> tuple[list[Problem], list[Problem]]:
     """``(few-shot examples, questions)`` for the configured workload."""
     total = config.shots + config.questions
@@ -284,7 +280,7 @@ class _EngineArm:
         wall = time.perf_counter() - start
         return ArmRecord(
             self.name, q, wall, engine.stats().prompt_tokens_computed - before, answer, problem.answer,
-            _difficulty(problem), verified=bool(report.scores), skipped=report.skipped,
+            solution_steps(problem), verified=bool(report.scores), skipped=report.skipped,
             exit_layers=[x for x in report.exit_layers if x is not None], num_layers=report.num_layers,
         )
 
@@ -340,7 +336,7 @@ class _LangChainHFArm:
         branches = [BranchAnswer(t, self.extract(t), 1.0) for t in texts]
         answer, report, _ = verify_and_pick(problem.question, branches, CallableVerifier(self._judge), CGEEConfig.off())
         wall = time.perf_counter() - start
-        return ArmRecord(self.name, q, wall, self.prompt_tokens, answer, problem.answer, _difficulty(problem),
+        return ArmRecord(self.name, q, wall, self.prompt_tokens, answer, problem.answer, solution_steps(problem),
                          verified=bool(report.scores), skipped=False)
 
 

@@ -20,6 +20,13 @@ thresholds are chosen so that the decision error against full verification stays
 calibrates its exits. The rules are replayed offline (``lens_exit_layer``, ``pick_answer``), so
 calibration runs no model and can be repeated on saved records.
 
+Calibration for accuracy (``calibrate_split``): the rule a user cares about is not agreement with
+the verifier but right answers. From per-question outcomes (``QuestionOutcome``: the vote, the answer
+always verifying picked, the right answer, the verifier's measured seconds), level 1's ``tau_conf``
+and ``margin`` are chosen so that CGEE loses no accuracy against always verifying (by default:
+always verifying's accuracy lies within, or below, the Wilson 95% interval of CGEE's) while saving
+the most verifier time, on a seeded half of the questions, and reported on the other half.
+
 ``CGEEConfig`` lives in ``rksc_engine.config`` beside the other settings (it is also
 ``EngineConfig.cgee``) and is re-exported here.
 """
@@ -27,6 +34,7 @@ calibration runs no model and can be repeated on saved records.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,8 +43,10 @@ import torch
 from .config import CGEEConfig
 
 __all__ = [
-    "CGEEConfig", "Calibration", "CalibrationRecord", "VoteSummary", "calibrate", "label_entropy",
-    "lens_entropy", "lens_exit_layer", "pick_answer", "should_skip", "summarise_votes", "wilson_interval",
+    "CGEEConfig", "Calibration", "CalibrationRecord", "OutcomeSummary", "QuestionOutcome", "SplitCalibration",
+    "VoteSummary", "calibrate", "calibrate_accuracy", "calibrate_split", "label_entropy", "lens_entropy",
+    "lens_exit_layer", "pick_answer", "should_skip", "split_outcomes", "summarise_outcomes", "summarise_votes",
+    "wilson_interval",
 ]
 
 
@@ -339,3 +349,278 @@ def _exit_options(recs: list[CalibrationRecord], base: CGEEConfig, theta_grid: S
                 saved = (num_layers - 1 - exit_layer - check_cost * checks) / num_layers
                 options.append((config, wrong_at[rows, exit_layer], saved.float(), exit_layer))
     return options
+
+
+# -- calibration for accuracy: no loss against always verifying, most verifier time saved ----------
+ACCURACY_RULES = ("wilson", "observed")
+TAU_GRID = tuple(i / 20 for i in range(21))
+MARGIN_GRID = tuple(i / 20 for i in range(21))
+
+
+@dataclass(frozen=True)
+class QuestionOutcome:
+    """One question's vote, the answer verifying every candidate picked, and the right answer.
+
+    Answers compare as strings (the extractors normalise them). Serialises to the same ``shares`` and
+    ``full_answer`` keys as ``CalibrationRecord``, so one saved record can feed both calibrations.
+
+    Attributes:
+        summary: The vote's confidence-weighted shares (``summarise_votes``).
+        full_answer: The answer full-depth verification of every candidate picked; None without a candidate.
+        gold: The right answer.
+        verify_s: Measured seconds of that verification (0 when there was nothing to verify); a level-1
+            skip saves all of it.
+        level: Optional group, e.g. the difficulty level; ``split_outcomes`` stratifies by it.
+    """
+
+    summary: VoteSummary
+    full_answer: str | None
+    gold: str
+    verify_s: float = 0.0
+    level: int | None = None
+
+    def answer(self, config: CGEEConfig) -> tuple[str | None, bool]:
+        """``(answer, skipped)`` under ``config``'s level 1, verifying at full depth when not skipped."""
+        if should_skip(self.summary, config)[0]:
+            return self.summary.winner, True
+        return self.full_answer, False
+
+    def to_dict(self) -> dict:
+        return {"shares": [list(s) for s in self.summary.shares], "full_answer": self.full_answer, "gold": self.gold,
+                "verify_s": self.verify_s, "level": self.level}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuestionOutcome:
+        return cls(VoteSummary(tuple((str(a), float(p)) for a, p in data["shares"])), data["full_answer"],
+                   str(data["gold"]), float(data.get("verify_s", 0.0)), data.get("level"))
+
+
+@dataclass(frozen=True)
+class OutcomeSummary:
+    """What one CGEE config did on a set of questions, against the vote alone and always verifying.
+
+    A *decision* is a question with at least one candidate (one verifier call when always verifying);
+    a decision *error* is a skip whose vote winner is not the answer always verifying picked. Of those,
+    ``num_lost`` turned a right answer wrong and ``num_gained`` a wrong one right, so
+    ``num_cgee_correct = num_full_correct - num_lost + num_gained``.
+
+    Attributes:
+        num_questions / num_decisions / num_skipped: Questions, those with a candidate, those skipped.
+        num_decision_errors / num_lost / num_gained: As above.
+        num_vote_correct / num_full_correct / num_cgee_correct: Right answers of the vote winner, of
+            always verifying and of CGEE.
+        verify_s: Seconds always verifying took; verify_s_saved: the part the skips avoided.
+    """
+
+    num_questions: int
+    num_decisions: int
+    num_skipped: int
+    num_decision_errors: int
+    num_lost: int
+    num_gained: int
+    num_vote_correct: int
+    num_full_correct: int
+    num_cgee_correct: int
+    verify_s: float
+    verify_s_saved: float
+
+    @property
+    def skip_rate(self) -> float:
+        return self.num_skipped / self.num_decisions if self.num_decisions else 0.0
+
+    @property
+    def decision_error_rate(self) -> float:
+        return self.num_decision_errors / self.num_decisions if self.num_decisions else 0.0
+
+    @property
+    def decision_error_wilson(self) -> tuple[float, float]:
+        return wilson_interval(self.num_decision_errors, self.num_decisions)
+
+    @property
+    def vote_accuracy(self) -> float:
+        return self.num_vote_correct / self.num_questions if self.num_questions else 0.0
+
+    @property
+    def full_accuracy(self) -> float:
+        return self.num_full_correct / self.num_questions if self.num_questions else 0.0
+
+    @property
+    def cgee_accuracy(self) -> float:
+        return self.num_cgee_correct / self.num_questions if self.num_questions else 0.0
+
+    @property
+    def cgee_accuracy_wilson(self) -> tuple[float, float]:
+        return wilson_interval(self.num_cgee_correct, self.num_questions)
+
+    @property
+    def verify_saved_fraction(self) -> float:
+        return self.verify_s_saved / self.verify_s if self.verify_s > 0 else 0.0
+
+    def keeps_accuracy(self, rule: str = "wilson") -> bool:
+        """Whether CGEE lost no accuracy against always verifying, by ``rule``:
+
+        * ``"wilson"``: always verifying's accuracy is not above the upper end of the Wilson 95%
+          interval of CGEE's accuracy (it lies inside that interval, or CGEE is more accurate);
+        * ``"observed"``: CGEE answered at least as many questions right.
+        """
+        if rule == "wilson":
+            return self.full_accuracy <= self.cgee_accuracy_wilson[1]
+        if rule == "observed":
+            return self.num_cgee_correct >= self.num_full_correct
+        raise ValueError(f"rule must be one of {list(ACCURACY_RULES)}, got {rule!r}")
+
+
+def summarise_outcomes(outcomes: Sequence[QuestionOutcome], config: CGEEConfig) -> OutcomeSummary:
+    """Replay ``config``'s level 1 on recorded questions (no model runs): skips, decision errors,
+    accuracy of the vote, of always verifying and of CGEE, and the verifier seconds saved."""
+    counts = dict.fromkeys(("decisions", "skipped", "errors", "lost", "gained", "vote", "full", "cgee"), 0)
+    verify_s = saved_s = 0.0
+    for o in outcomes:
+        answer, skipped = o.answer(config)
+        counts["decisions"] += o.summary.winner is not None
+        counts["vote"] += o.summary.winner == o.gold
+        counts["full"] += o.full_answer == o.gold
+        counts["cgee"] += answer == o.gold
+        verify_s += o.verify_s
+        if skipped:
+            counts["skipped"] += 1
+            saved_s += o.verify_s
+            if answer != o.full_answer:
+                counts["errors"] += 1
+                counts["lost"] += o.full_answer == o.gold
+                counts["gained"] += answer == o.gold
+    return OutcomeSummary(len(outcomes), counts["decisions"], counts["skipped"], counts["errors"], counts["lost"],
+                          counts["gained"], counts["vote"], counts["full"], counts["cgee"], verify_s, saved_s)
+
+
+def _check_outcomes(outcomes: object) -> list[QuestionOutcome]:
+    if isinstance(outcomes, (str, bytes, dict)) or not isinstance(outcomes, Sequence):
+        raise TypeError(f"outcomes must be a list of QuestionOutcome, got {type(outcomes).__name__}")
+    bad = [i for i, o in enumerate(outcomes) if not isinstance(o, QuestionOutcome)]
+    if bad:
+        raise TypeError(f"outcomes must be a list of QuestionOutcome; outcomes[{bad[0]}] is a "
+                        f"{type(outcomes[bad[0]]).__name__}")
+    if not outcomes:
+        raise ValueError("outcomes must not be empty")
+    return list(outcomes)
+
+
+def calibrate_accuracy(
+    outcomes: Sequence[QuestionOutcome],
+    rule: str = "wilson",
+    *,
+    base: CGEEConfig | None = None,
+    tau_grid: Sequence[float] = TAU_GRID,
+    margin_grid: Sequence[float] = MARGIN_GRID,
+) -> tuple[CGEEConfig, OutcomeSummary]:
+    """Level-1 thresholds that lose no accuracy against always verifying and save the most verifier time.
+
+    Every ``(tau_conf, margin)`` on the grids, and skipping off, is replayed on ``outcomes``; those
+    that keep accuracy by ``rule`` (``OutcomeSummary.keeps_accuracy``) are candidates, and the one
+    whose skips avoid the most measured verifier seconds wins; ties go to fewer decision errors, then
+    to the stricter thresholds, and skipping off wins when nothing is saved (so without measured
+    ``verify_s`` skipping stays off). Skipping off always qualifies: it *is* always verifying.
+
+    The winner is the best of many tries on the same questions, so its accuracy there is optimistic,
+    and under ``"wilson"`` it tends to sit near the edge of the allowed loss: judge it on questions it
+    was not chosen on (``calibrate_split``). Level-2 settings are copied from ``base`` unchanged.
+
+    Returns:
+        ``(config, summary)``: the thresholds and what they did on ``outcomes``.
+    """
+    outcomes = _check_outcomes(outcomes)
+    if rule not in ACCURACY_RULES:
+        raise ValueError(f"rule must be one of {list(ACCURACY_RULES)}, got {rule!r}")
+    base = base or CGEEConfig()
+    configs = [replace(base, skip_enabled=False)] + [
+        replace(base, skip_enabled=True, tau_conf=t, margin=m) for t in tau_grid for m in margin_grid]
+    best: tuple | None = None
+    for config in configs:
+        summary = summarise_outcomes(outcomes, config)
+        if not summary.keeps_accuracy(rule):
+            continue
+        strict = (config.tau_conf, config.margin) if config.skip_enabled else (2.0, 2.0)
+        key = (round(summary.verify_s_saved, 9), -summary.num_decision_errors, *strict)
+        if best is None or key > best[0]:
+            best = (key, config, summary)
+    assert best is not None, "skipping off keeps accuracy by construction"
+    return best[1], best[2]
+
+
+def split_outcomes(outcomes: Sequence[QuestionOutcome], seed: int = 0) -> tuple[list[int], list[int]]:
+    """``(calibration, held_out)`` indices: a seeded half of each level (group) each, disjoint,
+    together every index. A level with an odd count gives its extra question to calibration."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    rng = random.Random(seed)
+    groups: dict[int | None, list[int]] = {}
+    for i, o in enumerate(outcomes):
+        groups.setdefault(o.level, []).append(i)
+    calibration, held_out = [], []
+    for level in sorted(groups, key=lambda x: (x is None, x if x is not None else 0)):
+        indices = groups[level]
+        rng.shuffle(indices)
+        half = (len(indices) + 1) // 2
+        calibration += indices[:half]
+        held_out += indices[half:]
+    return sorted(calibration), sorted(held_out)
+
+
+@dataclass(frozen=True)
+class SplitCalibration:
+    """Thresholds chosen on one half of the questions and judged on the other (``calibrate_split``).
+
+    Attributes:
+        config: The chosen thresholds (level 1; level 2 as in ``base``).
+        rule: The accuracy rule they were held to (``OutcomeSummary.keeps_accuracy``).
+        seed: The split's seed.
+        calibration_indices / held_out_indices: Which outcomes fell in each half.
+        calibration: What ``config`` did on the calibration half (optimistic: it was chosen there).
+        held_out: What ``config`` did on the held-out half: skip rate, decision error against always
+            verifying with its Wilson 95% interval, accuracy of the vote, of always verifying and of
+            CGEE, verifier seconds saved.
+        held_out_by_level: ``held_out`` per level.
+    """
+
+    config: CGEEConfig
+    rule: str
+    seed: int
+    calibration_indices: tuple[int, ...]
+    held_out_indices: tuple[int, ...]
+    calibration: OutcomeSummary
+    held_out: OutcomeSummary
+    held_out_by_level: dict[int | None, OutcomeSummary]
+
+    @property
+    def keeps_accuracy_held_out(self) -> bool:
+        """Whether the chosen thresholds also kept accuracy, by the same rule, on the held-out half."""
+        return self.held_out.keeps_accuracy(self.rule)
+
+
+def calibrate_split(
+    outcomes: Sequence[QuestionOutcome],
+    *,
+    seed: int = 0,
+    rule: str = "wilson",
+    base: CGEEConfig | None = None,
+    tau_grid: Sequence[float] = TAU_GRID,
+    margin_grid: Sequence[float] = MARGIN_GRID,
+) -> SplitCalibration:
+    """Choose level-1 thresholds on a seeded half of ``outcomes`` (``calibrate_accuracy``) and report
+    them on the other half, overall and per level.
+
+    Example:
+        >>> split = calibrate_split(outcomes, seed=0)
+        >>> split.config.tau_conf, split.held_out.skip_rate, split.held_out.decision_error_wilson
+    """
+    outcomes = _check_outcomes(outcomes)
+    calibration, held_out = split_outcomes(outcomes, seed)
+    if not held_out:
+        raise ValueError("outcomes must have at least two questions, one for each half")
+    config, calibration_summary = calibrate_accuracy([outcomes[i] for i in calibration], rule, base=base,
+                                                     tau_grid=tau_grid, margin_grid=margin_grid)
+    held = [outcomes[i] for i in held_out]
+    levels = sorted({o.level for o in held}, key=lambda x: (x is None, x if x is not None else 0))
+    by_level = {level: summarise_outcomes([o for o in held if o.level == level], config) for level in levels}
+    return SplitCalibration(config, rule, seed, tuple(calibration), tuple(held_out), calibration_summary,
+                            summarise_outcomes(held, config), by_level)

@@ -51,6 +51,8 @@ def regex_extractor(pattern: str, group: int = 1) -> AnswerExtractor:
 
 
 EXTRACTORS: dict[str, AnswerExtractor] = {"gsm8k": extract_gsm8k_answer, "choice": extract_choice_letter}
+# Sampling of each branch when ``reason`` is given no ``params``.
+DEFAULT_REASON_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,11 @@ class ReasoningPlan:
     cgee: CGEEConfig
 
 
+def default_cgee(engine: Any) -> CGEEConfig:
+    """The CGEE thresholds ``reason`` uses when given none: the engine's ``EngineConfig.cgee``, else the defaults."""
+    return getattr(getattr(engine, "config", None), "cgee", None) or CGEEConfig()
+
+
 def plan_reasoning(
     engine: Any,
     question: str,
@@ -238,14 +245,14 @@ def plan_reasoning(
         raise ValueError("question must be a non-empty string")
     check_branch_count("n", n)
     if params is None:
-        params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
+        params = DEFAULT_REASON_PARAMS
     elif not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams or None, got {type(params).__name__}")
     shots = check_problems(few_shot, "few_shot")
     if shots and prompt is not None:
         raise ValueError("pass few_shot or prompt, not both (prompt replaces the few-shot prompt)")
     if cgee is None:
-        cgee = getattr(getattr(engine, "config", None), "cgee", None) or CGEEConfig()
+        cgee = default_cgee(engine)
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
     extract = resolve_extractor(answer_extractor)

@@ -42,6 +42,8 @@ from .verifier import Verifier, as_verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
 SCORER_NAMES = ("confidence", "judge")
+# Sampling of each step when ``tree_search`` is given no ``params`` (seeded, so the tree is reproducible).
+DEFAULT_SEARCH_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=48, seed=0)
 
 
 @dataclass
@@ -211,7 +213,7 @@ def tree_search(
     _check_positive_int("beam", beam)
     if not isinstance(step_delimiter, str) or not step_delimiter:
         raise ValueError("step_delimiter must be a non-empty string")
-    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=48, seed=0) if params is None else params
+    params = DEFAULT_SEARCH_PARAMS if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if breadth > 1 and params.greedy:

@@ -5,12 +5,17 @@ Endpoints:
         Each prompt becomes one ``engine.submit(prompt, n, params)``: its ``n`` choices are sibling
         branches over one prefill, and every request shares the scheduler's decode batches and the
         radix prefix cache with whatever else the engine is running.
+    ``POST /v1/rksc/reason``, ``POST /v1/rksc/tree_search``: what OpenAI's API cannot say
+        (``rksc_serve.reasoning``): ``engine.areason`` (verified self-consistency with the vote and the
+        CGEE report) and ``engine.tree_search`` (run in a worker thread; it submits each level to the
+        scheduler itself). An engine without them, or whose methods raise ``NotImplementedError`` (a
+        ``RemoteEngine``'s do), answers 501.
     ``GET /v1/models``: the one model served. ``GET /health``: ``{"status": "ok"}``, never behind the
         key. ``GET /metrics``: Prometheus text (``rksc_serve.metrics``).
 
 Promises:
-    * Only the engine's public request API is used (``submit``, ``stats``, ``tokenizer``,
-      ``model_name``, ``context_window``); the engine knows nothing of HTTP.
+    * Only the engine's public API is used (``submit``, ``areason``, ``tree_search``, ``stats``,
+      ``tokenizer``, ``model_name``, ``context_window``, ``config.cgee``); the engine knows nothing of HTTP.
     * With ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``
       (401 otherwise, compared in constant time).
     * A bad request is HTTP 400 with OpenAI's error JSON ``{"error": {"message", "type":
@@ -19,8 +24,9 @@ Promises:
       engine's own ``ValueError``/``TypeError`` (a prompt longer than the context window, ``n``
       branches that cannot fit the cache budget) are 400s too.
     * A client that goes away cancels its request: a stream's generator cancels its handles when
-      it is closed, and a non-streamed request is cancelled when the connection drops
-      (polled every ``DISCONNECT_POLL_S``). The scheduler drops the rows and frees their KV.
+      it is closed, and a non-streamed request (a reasoning request too) is cancelled when the
+      connection drops (polled every ``DISCONNECT_POLL_S``). The scheduler drops the rows and frees
+      their KV. A tree search has no cancel: it runs to its end.
     * Streams follow OpenAI's chunk format and end with ``data: [DONE]``; with
       ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. A
       choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
@@ -34,7 +40,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,6 +50,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams
+from rksc_engine.reasoning import default_cgee
 
 from .logprobs import TokenText, TopLogprobsRecorder
 from .metrics import CountRequests, ServeMetrics
@@ -56,11 +63,13 @@ from .protocol import (
     engine_error_param,
     error_param,
 )
+from .reasoning import ReasonRequest, TreeSearchRequest, engine_error_field, reasoning_body, search_body
 from .responses import ChatShape, Shape, TextShape, envelope, stop_reason, usage
 
 # Seconds between checks that the client of a non-streamed request is still connected.
 DISCONNECT_POLL_S = 0.5
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/rksc/reason", "/v1/rksc/tree_search",
+                    "/v1/models", "/health", "/metrics"})
 
 
 class APIError(Exception):
@@ -84,12 +93,14 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     """The OpenAI-compatible app serving ``engine`` (an ``RKSCEngine``).
 
     Args:
-        engine: The engine every request is submitted to.
+        engine: The engine every request is submitted to. The rksc routes need its ``areason`` and
+            ``tree_search``; where it has none that work, they answer 501 and the rest is served.
         api_key: When set, requests need ``Authorization: Bearer <api_key>`` (all but ``/health``).
         model_name: The model id ``/v1/models`` lists and responses name (default ``engine.model_name``).
             Requests may name any model: there is one.
         max_tokens_limit: Most ``max_tokens`` a request may ask for, and chat's default.
-        max_n: Most choices one request may ask for (``n`` times its prompts).
+        max_n: Most choices one request may ask for (``n`` times its prompts; a reasoning request's
+            ``n``; a tree search's ``breadth * beam``).
         max_body_bytes: Largest request body accepted.
 
     Example:
@@ -133,6 +144,31 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         return await server.generate(request, TextShape(server.token_text), body, body.prompt,
                                      COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
 
+    @app.post("/v1/rksc/reason")
+    async def rksc_reason(request: Request) -> Response:
+        server.authorize(request)
+        areason = server.local_method("areason", "/v1/rksc/reason")
+        body = await server.parse(request, ReasonRequest)
+        _check(lambda: body.check(server.limits))
+        kwargs = _check(lambda: body.engine_kwargs(default_cgee(engine)))
+        result = await server.call_engine(
+            "/v1/rksc/reason", body.prompt_field, "n",
+            lambda: _cancelled_on_disconnect(request, areason(body.question, **kwargs)))
+        server.metrics.count_tokens([result.completions])
+        return JSONResponse(reasoning_body(result, server.model_name))
+
+    @app.post("/v1/rksc/tree_search")
+    async def rksc_tree_search(request: Request) -> Response:
+        server.authorize(request)
+        tree_search = server.local_method("tree_search", "/v1/rksc/tree_search")
+        body = await server.parse(request, TreeSearchRequest)
+        _check(lambda: body.check(server.limits))
+        # Synchronous: it submits each level to the scheduler and waits, so it gets a thread of its own.
+        result = await server.call_engine(
+            "/v1/rksc/tree_search", body.prompt_field, "breadth",
+            lambda: asyncio.to_thread(tree_search, body.question, **body.engine_kwargs()))
+        return JSONResponse(search_body(result, server.model_name))
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         server.authorize(request)
@@ -153,9 +189,10 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     return app
 
 
-def _check(check: Any) -> None:
+def _check(check: Callable[[], Any]) -> Any:
+    """``check()``'s result; its ``InvalidRequest`` as a 400."""
     try:
-        check()
+        return check()
     except InvalidRequest as error:
         raise APIError(400, str(error), error.param) from None
 
@@ -197,6 +234,28 @@ class _Server:
         except ValidationError as error:
             raise _validation_error(error) from None
 
+    def local_method(self, name: str, route: str) -> Callable[..., Any]:
+        """The engine's method ``name`` that ``route`` needs; 501 when the engine has none."""
+        method = getattr(self.engine, name, None)
+        if not callable(method):
+            raise APIError(501, f"{route} needs a local RKSCEngine: this server's engine "
+                           f"({type(self.engine).__name__}) has no {name}", error_type="not_implemented_error")
+        return method
+
+    async def call_engine(self, route: str, prompt_param: str, n_param: str, call: Callable[[], Awaitable[Any]]
+                          ) -> Any:
+        """Run an rksc route's engine call: its ``ValueError``/``TypeError`` are 400s naming the field
+        (``prompt_param`` for the prompt, ``n_param`` for the engine's ``n``), its
+        ``NotImplementedError`` (a ``RemoteEngine``'s, say) a 501."""
+        try:
+            return await call()
+        except NotImplementedError as error:
+            raise APIError(501, f"{route} is not available on this server: {error}",
+                           error_type="not_implemented_error") from None
+        except (ValueError, TypeError) as error:
+            param = engine_error_field(str(error), prompt_param, n_param)
+            raise APIError(400, f"{param}: {error}", param) from None
+
     def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str
                ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
         """One engine request per prompt, all queued before any is awaited; the engine's own checks
@@ -223,7 +282,11 @@ class _Server:
         if body.stream:
             return StreamingResponse(reply.events(handles), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        def cancel_all() -> None:
+            for handle in handles:
+                handle.cancel()
+
+        watcher = asyncio.create_task(_on_disconnect(request, cancel_all))
         try:
             per_prompt = [await handle for handle in handles]
         except RequestCancelled:
@@ -309,13 +372,27 @@ class _Reply:
                     handle.cancel()
 
 
-async def _cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+async def _on_disconnect(request: Request, cancel: Callable[[], Any]) -> None:
+    """Call ``cancel()`` once the client of ``request`` has gone away."""
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
         if await request.is_disconnected():
-            for handle in handles:
-                handle.cancel()
+            cancel()
             return
+
+
+async def _cancelled_on_disconnect(request: Request, call: Awaitable[Any]) -> Any:
+    """Await ``call`` as a task that is cancelled (with the requests it awaits) when the client goes away."""
+    task = asyncio.ensure_future(call)
+    watcher = asyncio.create_task(_on_disconnect(request, task.cancel))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():  # this handler itself was cancelled, not the call
+            raise
+        raise APIError(499, "the client closed the request", error_type="cancelled") from None
+    finally:
+        watcher.cancel()
 
 
 def _validation_error(error: ValidationError) -> APIError:

@@ -4,8 +4,10 @@ Counted by the server as it answers:
     ``rksc_http_requests_total{path, status}``: every HTTP request, by route (``other`` for paths the
         app does not serve, so scanners cannot blow up the label set) and status code.
     ``rksc_prompt_tokens_total``, ``rksc_prompt_cached_tokens_total``: prompt tokens of the
-        generation requests served, and those of them whose KV came from the prefix cache.
-    ``rksc_generation_tokens_total``: tokens generated for them.
+        generation requests served (chat, completions, ``/v1/rksc/reason``'s branches), and those of
+        them whose KV came from the prefix cache.
+    ``rksc_generation_tokens_total``: tokens generated for them. A tree search's per-step requests
+        are not in these three; the engine's own counters below include them.
 
 Read from ``engine.stats()`` at each scrape (so they count every user of the engine, not only HTTP):
     ``rksc_engine_prompt_tokens_computed_total``, ``rksc_engine_prompt_tokens_reused_total``,

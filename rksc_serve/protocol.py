@@ -65,6 +65,22 @@ def _limits(info: ValidationInfo) -> ServeLimits:
     return info.context.get("limits", ServeLimits()) if isinstance(info.context, dict) else ServeLimits()
 
 
+def within_max_n(value: int, info: ValidationInfo) -> int:
+    """A field validator's body: ``value`` unless it is over the server's ``--max-n``."""
+    limit = _limits(info).max_n
+    if value > limit:
+        raise ValueError(f"must be at most {limit} (the server's --max-n), got {value}")
+    return value
+
+
+def within_max_tokens(value: int | None, info: ValidationInfo) -> int | None:
+    """A field validator's body: ``value`` unless it is over the server's ``--max-tokens-limit``."""
+    limit = _limits(info).max_tokens
+    if value is not None and value > limit:
+        raise ValueError(f"must be at most {limit} (the server's --max-tokens-limit), got {value}")
+    return value
+
+
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
@@ -106,18 +122,12 @@ class _GenerationRequest(BaseModel):
     @field_validator("n")
     @classmethod
     def _n_within_limit(cls, value: int, info: ValidationInfo) -> int:
-        limit = _limits(info).max_n
-        if value > limit:
-            raise ValueError(f"must be at most {limit} (the server's --max-n), got {value}")
-        return value
+        return within_max_n(value, info)
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
     def _max_tokens_within_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        limit = _limits(info).max_tokens
-        if value is not None and value > limit:
-            raise ValueError(f"must be at most {limit} (the server's --max-tokens-limit), got {value}")
-        return value
+        return within_max_tokens(value, info)
 
     @field_validator("stop")
     @classmethod

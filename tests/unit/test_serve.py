@@ -305,7 +305,9 @@ def test_a_stream_closed_mid_way_cancels_its_request(engine, server_url):
     body = {"messages": MESSAGES, "max_tokens": 4000, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{server_url}/v1/chat/completions", json=body) as s:
         lines = s.iter_lines()
-        assert any(line.startswith("data: ") and '"content": "' in line for line in lines)
+        # The first chunk (the role, empty content) is sent before the request is admitted: wait for text.
+        assert any(line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line
+                   for line in lines)
         assert engine.stats().running_requests == 1
     assert wait_until(lambda: engine.stats().running_requests == 0), "the closed stream's request kept running"
     assert engine.stats().decode_tokens - before < 4000, "the request ran to the end instead of being cancelled"
