@@ -14,7 +14,7 @@ each repeat so machine drift hits all alike:
   cache bookkeeping, so ``ms/step / kernel floor`` is the overhead that is ours to remove.
 * Decode ms/step over a ~1,300-token prompt at 1 and ``--branches`` branches: one step is a model
   forward plus choosing the next tokens (temperature 0.7, top-p 0.95), for ``rksc`` (shared-prefix
-  path), ``rksc old path`` (``decode_attention="dynamic_cache"``, the engine before issue 8) and
+  path), ``rksc old path`` (``decode_attention="dynamic_cache"``, the engine before shared-prefix decoding) and
   plain ``transformers`` (a ``DynamicCache`` with the prompt repeated per branch plus its own
   temperature/top-p warpers and ``torch.multinomial``, which is what ``generate`` does per step).
   Each is also a ratio to the floor.

@@ -52,6 +52,21 @@ def check_branch_seeds(seed: int, n: int) -> None:
                          f"got seed={seed}, n={n}")
 
 
+def check_request_shape(n: object, params: object) -> SamplingParams:
+    """The checks every engine (local or remote) makes of a request's ``n`` and ``params`` before
+    anything runs; returns the params to use (``SamplingParams()`` for None)."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if params.seed is not None:
+        check_branch_seeds(params.seed, n)
+    return params
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to decode one request.
@@ -258,12 +273,10 @@ class ASKSConfig:
         enabled: Try ASKS when a prompt's token-exact cached prefix ends early. Default False.
         tau: Reuse when the spans' layer-weighted hidden-state similarity ``sigma >= tau``, in [0, 1];
             1 never reuses (token-exact caching, token for token), 0 reuses whenever a realignment
-            is found. Default 0.99, deliberately conservative: on ``benchmarks/asks.py`` with GSM8K
-            shots no threshold that lets paraphrased instructions reuse (they score 0.96-0.987 on
-            the default model) kept final answers at 99% agreement with full recompute, so at the
-            default reuse fires only for spans whose hidden states nearly coincide. On 60 reworded
-            GSM8K requests (``benchmarks/asks_fidelity.py``) ``tau=0.98`` with
-            ``recompute_fraction=0.15`` kept 98.3% [91.1%, 99.7%] but reused for only 12 (issue 3 note).
+            is found. Default 0.99, deliberately conservative: reuse then fires only for spans whose
+            hidden states nearly coincide, because looser thresholds changed final answers on
+            reworded prompts more often than the 99% agreement target allows (measurements and their
+            commands: ``docs/bench/asks_fidelity.md``).
         alpha: Depth emphasis of the layer weights ``exp(alpha * l / L)``, >= 0. Default 1.0.
         max_span_tokens: Longest differing span, on either side, that ASKS compares, >= 1. Default 64.
         min_reuse_tokens: Shortest realigned remainder worth reusing, >= 1. Default 32.

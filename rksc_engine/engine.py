@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from . import asks
-from .config import EngineConfig, SamplingParams, check_branch_seeds
+from .config import EngineConfig, SamplingParams, check_request_shape
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .memory import run_with_oom_retry
 from .prefix_cache import RadixPrefixCache
-from .requests import LogitsProcessor, RequestHandle
+from .requests import LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .scheduler import Scheduler
 from .shared_prefix import ProbeResult, SharedPrefixCache, initial_suffix_capacity, probe
 from .types import ASKSDecision, Completion, EngineStats, StreamChunk
@@ -103,7 +103,7 @@ class RKSCEngine:
         # transformers 5.x renamed the forward's `past_key_values` to `cache`; support both.
         forward_params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
-        self._shared_prefix_probe: ProbeResult | None = None  # probed on first decode, see _use_shared_prefix
+        self._shared_prefix_probe: ProbeResult | None = None  # probed on first decode, see decodes_with_shared_prefix
         self._scheduler = Scheduler(self)
         self._probe_failures = 0
         self._oom_since_relax = False
@@ -244,6 +244,23 @@ class RKSCEngine:
         )
 
     @property
+    def prefix_cache_enabled(self) -> bool:
+        """Whether the radix prefix cache is in use (configured on, and the model's cache layers allow it)."""
+        return self._cacheable
+
+    def holds_engine(self) -> bool:
+        """Whether the calling thread holds the engine (is inside ``exclusive()`` or a scheduler step)."""
+        return self._lock._is_owned()
+
+    def count(self, counter: str, amount: int = 1) -> None:
+        """Add ``amount`` to the ``EngineStats`` field ``counter`` (or to ``extra[counter]`` for a
+        counter that is not a field); how the scheduler reports requests, decode tokens, preemptions."""
+        if counter in EngineStats.__dataclass_fields__ and counter != "extra":
+            setattr(self._stats, counter, getattr(self._stats, counter) + amount)
+        else:
+            self._stats.extra[counter] = self._stats.extra.get(counter, 0) + amount
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV one token takes over all layers (keys and values), at the model's dtype."""
         cfg = self._model.config.get_text_config() if hasattr(self._model.config, "get_text_config") else self._model.config
@@ -260,20 +277,12 @@ class RKSCEngine:
     def validate_request(self, prompt_ids: list[int], n: int, params: SamplingParams | None) -> SamplingParams:
         """Check a request before anything runs: ``params`` (default ``SamplingParams()``), ``n`` and the
         prompt's length against the context window. Returns the params to use."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(n, int) or isinstance(n, bool):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        params = check_request_shape(n, params)
         if len(prompt_ids) >= self.context_window:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context window is {self.context_window}, "
                 f"so the prompt must have at most {self.context_window - 1}"
             )
-        if params.seed is not None:
-            check_branch_seeds(params.seed, n)
         # Every branch gets its own suffix buffer up front: refuse a request whose buffers alone
         # could not fit in the cache budget, before any work.
         max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
@@ -340,7 +349,7 @@ class RKSCEngine:
         Every prompt is checked before any is queued. Requests admitted in one step are prefilled in
         order through the radix cache, so a prefix shared by several prompts is computed once.
         """
-        handles = [h for h in self._submit_all(prompts, 1, params)]
+        handles = self._submit_all(prompts, 1, params)
         return [h.result()[0] for h in handles]
 
     def _submit_all(self, prompts: Sequence[Prompt], n: int, params: SamplingParams | None) -> list[RequestHandle]:
@@ -359,7 +368,7 @@ class RKSCEngine:
         dropping it) from any thread cancels the request and frees its KV.
         """
         handle = self.submit(prompt, 1, params, stream=True)
-        return _iterate_and_cancel(handle)
+        return stream_chunks(handle)
 
     async def agenerate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
         """``generate`` for asyncio: awaits the scheduler without blocking the event loop."""
@@ -378,12 +387,8 @@ class RKSCEngine:
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
         """``stream`` for asyncio; cancelling the consuming task cancels the request."""
-        handle = self.submit(prompt, 1, params, stream=True)
-        try:
-            async for chunk in handle:
-                yield chunk
-        finally:
-            handle.cancel()
+        async for chunk in astream_chunks(self.submit(prompt, 1, params, stream=True)):
+            yield chunk
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -445,7 +450,7 @@ class RKSCEngine:
             backoff_s=rsbcm.oom_backoff_s,
         )
 
-    def _after_request(self) -> None:
+    def request_finished(self) -> None:
         """A request finished: if no pass ran out of memory since the last one, memory pressure has
         eased, so a budget shrunk by an earlier out-of-memory error grows back a step."""
         cache = self.prefix_cache
@@ -579,15 +584,16 @@ class RKSCEngine:
 
     def _prefill(self, prompt_ids: list[int]) -> Prefilled:
         """The whole prompt's KV in one pass (its cached prefix served by the radix cache)."""
-        steps = self._prefill_steps(prompt_ids, None)
+        steps = self.prefill_steps(prompt_ids, None)
         while True:
             try:
                 next(steps)
             except StopIteration as done:
                 return done.value
 
-    def _prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
-        """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None).
+    def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+        """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None);
+        the scheduler's chunked prefill. The caller holds the engine (``exclusive()``).
 
         A generator: it yields the tokens each pass computed, between passes, so the scheduler can
         decode other requests in between, and returns the ``Prefilled``. The matched prefix stays
@@ -661,7 +667,7 @@ class RKSCEngine:
         return Prefilled(prompt_ids, result.cache, result.last_logits, result.num_reused_tokens,
                           exact=result.exact, asks=decision)
 
-    def _use_shared_prefix(self) -> bool:
+    def decodes_with_shared_prefix(self) -> bool:
         """Whether branches decode through ``SharedPrefixCache`` (config ``decode_attention``).
 
         ``"auto"`` probes the model once (``shared_prefix.probe``) and falls back to the plain
@@ -691,7 +697,7 @@ class RKSCEngine:
             )
         return self._shared_prefix_probe.supported
 
-    def _cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Any) -> None:
+    def cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Any) -> None:
         """Keep a single completion's KV too, the way SGLang caches finished requests: an agent's
         next prompt usually repeats this answer, so it is served from the cache instead of recomputed."""
         # The last generated token was never fed back, so its KV does not exist.
@@ -748,12 +754,3 @@ def _check_encodable(text: str, name: str) -> None:
 def _stack_kv(cache: Any) -> torch.Tensor:
     """Row 0 of a DynamicCache as one tensor (L, 2, H_kv, T, D), the radix cache's layout."""
     return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
-
-
-def _iterate_and_cancel(handle: RequestHandle) -> Iterator[StreamChunk]:
-    """Branch 0's chunks of ``handle``; leaving early (``close``, garbage collection) cancels it."""
-    try:
-        yield from handle
-    finally:
-        if not handle.done():
-            handle.cancel()

@@ -139,7 +139,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """The model dtype for a ``dtype`` argument.
 
     ``"auto"``: float32 on CPU, the exact mode every equality test uses (bf16 changes the default
-    model's tokens; see the issue-8 note for the measured speed and agreement behind keeping it),
+    model's tokens, and on CPUs without AMX it is no faster; README, Benchmarks, ``benchmarks/limits.py``),
     and bfloat16 on CUDA. ``"fast"``: bfloat16 on CUDA and on CPUs with native bf16
     (``cpu_supports_bf16``), float32 elsewhere. Or a ``torch.dtype`` or its name; ``"float32"`` is
     always available as the exact mode.

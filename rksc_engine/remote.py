@@ -43,8 +43,8 @@ from typing import Any
 
 import tenacity
 
-from .config import SamplingParams, check_branch_seeds
-from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
+from .config import SamplingParams, check_request_shape
+from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle, astream_chunks, stream_chunks
 from .types import Completion, EngineStats, FinishReason, StreamChunk
 
 # Statuses worth retrying: rate limited, or a server (or its proxy) briefly unavailable.
@@ -151,7 +151,7 @@ class RemoteEngine:
         if not isinstance(stream, bool):
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
         path, body = _prompt_body(prompt)
-        params = _check_request(n, params)
+        params = check_request_shape(n, params)
         body.update(_sampling_body(path, n, params, stream))
         channel = RequestChannel()
         request_id = next(self._ids)
@@ -175,7 +175,7 @@ class RemoteEngine:
     def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """The text of one completion as the server streams it; the last chunk carries the
         ``Completion``. Closing the iterator closes the connection."""
-        return _iterate_and_cancel(self.submit(prompt, 1, params, stream=True))
+        return stream_chunks(self.submit(prompt, 1, params, stream=True))
 
     async def agenerate(self, prompt: Any, params: SamplingParams | None = None) -> Completion:
         return (await self.submit(prompt, 1, params))[0]
@@ -187,19 +187,15 @@ class RemoteEngine:
         return [(await h)[0] for h in self._submit_all(prompts, params)]
 
     async def astream(self, prompt: Any, params: SamplingParams | None = None) -> AsyncIterator[StreamChunk]:
-        handle = self.submit(prompt, 1, params, stream=True)
-        try:
-            async for chunk in handle:
-                yield chunk
-        finally:
-            handle.cancel()
+        async for chunk in astream_chunks(self.submit(prompt, 1, params, stream=True)):
+            yield chunk
 
     def _submit_all(self, prompts: Sequence[Any], params: SamplingParams | None) -> list[RequestHandle]:
         if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts")
         for prompt in prompts:  # every prompt is checked before any is sent
             _prompt_body(prompt)
-        _check_request(1, params)
+        check_request_shape(1, params)
         return [self.submit(p, 1, params) for p in prompts]
 
     # -- stats ----------------------------------------------------------------------------------
@@ -419,19 +415,6 @@ def _prompt_body(prompt: Any) -> tuple[str, dict]:
                     f"got {type(prompt).__name__}")
 
 
-def _check_request(n: int, params: SamplingParams | None) -> SamplingParams:
-    params = SamplingParams() if params is None else params
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise TypeError(f"n must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if params.seed is not None:
-        check_branch_seeds(params.seed, n)
-    return params
-
-
 def _sampling_body(path: str, n: int, params: SamplingParams, stream: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                             "top_p": params.top_p, "logprobs": True if path == "chat/completions" else 0}
@@ -526,12 +509,3 @@ def _status_error(message: str, status: int) -> Exception:
     if status in (400, 404, 413, 422):
         return ValueError(message)
     return RemoteServerError(message, status)
-
-
-def _iterate_and_cancel(handle: RequestHandle) -> Iterator[StreamChunk]:
-    """Branch 0's chunks of ``handle``; leaving early (``close``, garbage collection) cancels it."""
-    try:
-        yield from handle
-    finally:
-        if not handle.done():
-            handle.cancel()

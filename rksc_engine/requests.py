@@ -249,3 +249,23 @@ class RequestHandle:
                 self._channel.cancelled.set()
         except Exception:
             pass
+
+
+def stream_chunks(handle: RequestHandle) -> Iterator[StreamChunk]:
+    """``handle``'s chunks as a plain iterator; leaving it early (``close``, garbage collection)
+    cancels the request."""
+    try:
+        yield from handle
+    finally:
+        if not handle.done():
+            handle.cancel()
+
+
+async def astream_chunks(handle: RequestHandle) -> AsyncIterator[StreamChunk]:
+    """``stream_chunks`` for asyncio; cancelling the consuming task cancels the request."""
+    try:
+        async for chunk in handle:
+            yield chunk
+    finally:
+        if not handle.done():
+            handle.cancel()

@@ -107,7 +107,7 @@ class _Request:
     exact: bool = True
     asks: ASKSDecision | None = None
     locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
-    prefill: Any = None  # the prompt's prefill while it runs in chunks (engine._prefill_steps)
+    prefill: Any = None  # the prompt's prefill while it runs in chunks (engine.prefill_steps)
     prefill_done: int = 0  # tokens its finished prefill passes computed
     shared_prefix: bool = False  # decode through SharedPrefixCache (the engine's probe said yes)
     num_private_segments: int = 0  # prompt segments the request holds itself (not read from the radix cache)
@@ -161,7 +161,7 @@ class Scheduler:
 
     def owns_engine(self) -> bool:
         """Whether the calling thread holds the engine lock (inside ``engine.exclusive()``)."""
-        return self._engine._lock._is_owned()
+        return self._engine.holds_engine()
 
     def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
         """Block until ``channel`` has news. A caller holding the engine lock steps the loop itself
@@ -241,7 +241,7 @@ class Scheduler:
                     if not self._has_work():
                         self._thread = None
                         return
-            with self._engine._lock:
+            with self._engine.exclusive():
                 if self._has_work():
                     self.step()
 
@@ -308,15 +308,15 @@ class Scheduler:
                 self._waiting.popleft()
             engine = self._engine
             try:
-                request.shared_prefix = engine._use_shared_prefix()  # may refuse (forced but unsupported)
+                request.shared_prefix = engine.decodes_with_shared_prefix()  # may refuse (forced but unsupported)
             except Exception as error:  # this request fails, nothing counted; the others go on
                 self._release(request)
                 request.channel.fail(error)
                 continue
             request.admissions += 1
             if request.admissions == 1:
-                engine._stats.requests += 1
-            request.prefill = engine._prefill_steps(request.prompt_ids, config.max_prefill_tokens)
+                engine.count("requests")
+            request.prefill = engine.prefill_steps(request.prompt_ids, config.max_prefill_tokens)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
 
@@ -381,7 +381,7 @@ class Scheduler:
             return cache
         capacity = initial_suffix_capacity(max_new)
         engine = self._engine
-        if request is None or not engine._cacheable:
+        if request is None or not engine.prefix_cache_enabled:
             return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
         match = engine.prefix_cache.match_prefix(request.prompt_ids)
         if match.num_tokens == 0:
@@ -407,7 +407,7 @@ class Scheduler:
                              for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
         self.num_preemptions += 1
-        self._engine._stats.extra["preemptions"] = self.num_preemptions
+        self._engine.count("preemptions")
         with self._cv:
             self._waiting.appendleft(request)
 
@@ -433,7 +433,7 @@ class Scheduler:
             input_ids = torch.cat([r.next_tokens for r in batched])[:, None]  # (B, 1)
             try:
                 with attention_implementation(engine.model, ATTENTION_NAME):
-                    out = engine._forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
+                    out = engine.forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
                                           **cache.forward_kwargs())
             except Exception as error:
                 if (isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)) and len(batched) > 1:
@@ -454,7 +454,7 @@ class Scheduler:
                         still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             try:
-                out = engine._forward(request.next_tokens[:, None], request.cache)
+                out = engine.forward(request.next_tokens[:, None], request.cache)
             except Exception as error:
                 self._release(request)
                 request.channel.fail(error)
@@ -490,7 +490,7 @@ class Scheduler:
                 keep_rows.append(row)
             if request.stream:
                 self._emit(request, branch)
-        engine._stats.decode_tokens += len(request.active)
+        engine.count("decode_tokens", len(request.active))
         if not keep_rows:
             self._finish(request)
             return False
@@ -540,12 +540,12 @@ class Scheduler:
         self._rows_cap = None  # rows have freed up: admit up to the configured batch again
         if request.n == 1 and request.exact:  # approximate (ASKS) KV never enters the exact cache
             try:
-                self._engine._cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
+                self._engine.cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
             except Exception:  # caching is an optimisation: the request's answer stands without it
                 logger.exception("could not cache the KV of request %d's answer", request.request_id)
         self._release(request)
         request.channel.finish([self._completion(request, b) for b in request.branches])
-        self._engine._after_request()
+        self._engine.request_finished()
 
     def _completion(self, request: _Request, branch: _Branch) -> Completion:
         return Completion(
