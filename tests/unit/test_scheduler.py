@@ -278,15 +278,30 @@ def test_concurrent_requests_read_a_shared_cached_prompt_prefix_in_place_instead
 def test_a_stalled_stream_does_not_delay_another_request_by_a_single_step():
     engine = engine_for(0)
     params = SamplingParams(max_new_tokens=8)
-    before = engine._scheduler.num_steps
-    engine.generate("abc", params)
-    steps_alone = engine._scheduler.num_steps - before
+
+    def steps_taken() -> tuple[int, int]:
+        """(steps from submission to the request's first token, steps its tokens span), read inside
+        the scheduler step that samples each token, so the stream running beside it cannot race the
+        count the way reading ``num_steps`` after ``result()`` would."""
+        seen: list[int] = []
+
+        def record_step(_prefixes, logits):
+            seen.append(engine._scheduler.num_steps)
+            return logits
+
+        with engine.exclusive():  # no step runs between reading the counter and queueing the request
+            submitted_at = engine._scheduler.num_steps
+            handle = engine.submit("abc", 1, params, logits_processor=record_step)
+        handle.result()
+        return seen[0] - submitted_at, seen[-1] - seen[0]
+
+    wait_alone, span_alone = steps_taken()
     stream = engine.stream("hello", SamplingParams(max_new_tokens=300))
     next(stream)  # and then never read again
-    before = engine._scheduler.num_steps
-    engine.generate("abc", params)
-    assert engine._scheduler.num_steps - before <= steps_alone + 1  # +1: the step that admitted it may differ
+    wait_beside, span_beside = steps_taken()
     stream.close()
+    assert wait_beside <= wait_alone + 1  # +1: a chunked prefill of the stream may share the admitting step
+    assert span_beside == span_alone
 
 
 def test_awaiting_a_request_inside_exclusive_does_not_deadlock():
