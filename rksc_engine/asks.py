@@ -45,6 +45,7 @@ token is still served exact KV. A fallback computes everything exactly and cache
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,20 +457,28 @@ class _StopAfterLayer(Exception):
     """Raised from a layer hook to end a forward pass once the layers it needs have run."""
 
 
-def run_first_layers(forward: Forward, model: Any, ids: Sequence[int], cache: Any, last_layer: int) -> None:
-    """Run ``ids`` on top of ``cache`` through decoder layers ``0..last_layer`` only; those layers of
-    ``cache`` gain the tokens' (exact) KV, the deeper layers are left as they were."""
+@contextmanager
+def stop_after_layer(model: Any, last_layer: int) -> Iterator[None]:
+    """Within the block, a forward pass of ``model`` ends quietly after decoder layer ``last_layer``:
+    the layers up to it have run (and cached their KV), the deeper ones have not."""
 
     def stop(*_: Any) -> None:
         raise _StopAfterLayer
 
     handle = decoder_parts(model)[0][last_layer].register_forward_hook(stop)
     try:
-        forward(torch.tensor([list(ids)], device=cache.layers[0].keys.device), cache, logits_to_keep=1)
+        yield
     except _StopAfterLayer:
         pass
     finally:
         handle.remove()
+
+
+def run_first_layers(forward: Forward, model: Any, ids: Sequence[int], cache: Any, last_layer: int) -> None:
+    """Run ``ids`` on top of ``cache`` through decoder layers ``0..last_layer`` only; those layers of
+    ``cache`` gain the tokens' (exact) KV, the deeper layers are left as they were."""
+    with stop_after_layer(model, last_layer):
+        forward(torch.tensor([list(ids)], device=cache.layers[0].keys.device), cache, logits_to_keep=1)
 
 
 def kv_deviation(
@@ -492,18 +501,24 @@ def recompute_positions(forward: Forward, model: Any, prompt_ids: Sequence[int],
     before its position, except the old KV of the tokens being recomputed (their new KV, appended
     after the cache by the pass, takes its place), so the result is what a left-to-right prefill
     would give if the rest of the cache were exact."""
-    length, count = cache.get_seq_length(), positions.numel()
-    device = positions.device
-    dtype = next(model.parameters()).dtype
-    before = torch.arange(length, device=device)[None, :] < positions[:, None]  # (r, T)
-    before[:, positions] = False
-    among_new = positions[None, :] <= positions[:, None]  # (r, r)
-    visible = torch.cat((before, among_new), dim=1)
-    mask = torch.zeros(1, 1, count, length + count, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    ids = torch.tensor([[prompt_ids[p] for p in positions.tolist()]], device=device)
+    length = cache.get_seq_length()
+    mask = scattered_mask(length, positions, next(model.parameters()).dtype)
+    ids = torch.tensor([[prompt_ids[p] for p in positions.tolist()]], device=positions.device)
     forward(ids, cache, logits_to_keep=1, position_ids=positions[None], attention_mask=mask)
     for layer in cache.layers:
         layer.keys[:, :, positions] = layer.keys[:, :, length:]
         layer.values[:, :, positions] = layer.values[:, :, length:]
     roll_back(cache, [length] * len(cache.layers))  # drop the appended copies
+
+
+def scattered_mask(length: int, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D additive mask for re-running the tokens at ``positions`` (sorted, inside a cache of
+    ``length``) as one pass appended after the cache: each sees the cache before its position except
+    the old KV of the re-run tokens, whose new KV (appended after the cache) takes its place."""
+    count, device = positions.numel(), positions.device
+    before = torch.arange(length, device=device)[None, :] < positions[:, None]  # (r, T)
+    before[:, positions] = False
+    among_new = positions[None, :] <= positions[:, None]  # (r, r)
+    visible = torch.cat((before, among_new), dim=1)
+    mask = torch.zeros(1, 1, count, length + count, dtype=dtype, device=device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)

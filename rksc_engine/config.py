@@ -292,6 +292,13 @@ class ASKSConfig:
         max_mean_deviation: Reuse only when the remainder's mean relative KV deviation at the probe
             layer is at most this, >= 0 (needs ``recompute_selection="deviation"``); above it the
             remainder is computed exactly. Default ``inf`` (no deviation gate, ``tau`` alone decides).
+        reuse_chunks: Retrieved-context reuse (``rksc_engine.chunk_reuse``): cut a text prompt at
+            ``chunk_separator``, cache each segment between the first and the last (a retrieved
+            chunk) on its own, and reuse its KV wherever it appears in a later prompt, repaired by
+            ``recompute_fraction`` and gated by ``max_mean_deviation``. Needs ``enabled``. Default False.
+        chunk_separator: The text that separates retrieved chunks, non-empty. Default a blank line
+            (``"\n\n"``), what LlamaIndex's response synthesizers and LangChain's stuff-documents
+            chain put between documents.
     """
 
     enabled: bool = False
@@ -303,9 +310,24 @@ class ASKSConfig:
     recompute_fraction: float = 0.0
     recompute_selection: str = "deviation"
     max_mean_deviation: float = math.inf
+    reuse_chunks: bool = False
+    chunk_separator: str = "\n\n"
+
+    @classmethod
+    def for_retrieved_context(cls, recompute_fraction: float = 0.15, **overrides: object) -> ASKSConfig:
+        """Retrieved-context reuse on, reworded-span reuse off (``tau=1``). ``recompute_fraction``
+        0.15 is CacheBlend's operating point; what it costs in answers on a given model is measured
+        by ``benchmarks/rag_reuse.py`` (``docs/bench/rag_reuse.md``)."""
+        return cls(enabled=True, tau=1.0, reuse_chunks=True, recompute_fraction=recompute_fraction, **overrides)
 
     def __post_init__(self) -> None:
         _check_type("asks.enabled", self.enabled, bool)
+        _check_type("asks.reuse_chunks", self.reuse_chunks, bool)
+        _check_type("asks.chunk_separator", self.chunk_separator, str)
+        if not self.chunk_separator:
+            raise ValueError("asks.chunk_separator must be a non-empty string")
+        if self.reuse_chunks and not self.enabled:
+            raise ValueError("asks.reuse_chunks needs asks.enabled=True (chunk reuse is approximate, as ASKS is)")
         _check_type("asks.recompute_selection", self.recompute_selection, str)
         if self.recompute_selection not in RECOMPUTE_SELECTIONS:
             raise ValueError(f"asks.recompute_selection must be one of {list(RECOMPUTE_SELECTIONS)}, "

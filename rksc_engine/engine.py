@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import asks
+from . import asks, chunk_reuse
 from .config import EngineConfig, SamplingParams, check_request_shape
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .memory import run_with_oom_retry
@@ -39,7 +39,7 @@ from .prefix_cache import RadixPrefixCache
 from .requests import LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .scheduler import Scheduler
 from .shared_prefix import ProbeResult, SharedPrefixCache, initial_suffix_capacity, probe
-from .types import ASKSDecision, Completion, EngineStats, StreamChunk
+from .types import ASKSDecision, ChunkReuseDecision, Completion, EngineStats, StreamChunk
 
 logger = logging.getLogger(__name__)
 # Inconclusive shared-prefix probes (exceptions) tolerated before the fast path is given up.
@@ -71,7 +71,7 @@ class Prefilled:
     # False when ASKS reused approximate KV: then nothing past the prompt's exact part, and nothing
     # decoded on top of it, may go into the token-exact prefix cache.
     exact: bool = True
-    asks: ASKSDecision | None = None  # what ASKS did, None when it did not act
+    asks: ASKSDecision | ChunkReuseDecision | None = None  # what ASKS did, None when it did not act
 
 
 class RKSCEngine:
@@ -333,7 +333,33 @@ class RKSCEngine:
             raise TypeError(f"logits_processor must be callable, got {type(logits_processor).__name__}")
         if not isinstance(stream, bool):
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
-        return self._scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor)
+        return self._scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor,
+                                      segments=self.prompt_segments(prompt, prompt_ids))
+
+    def prompt_segments(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
+        """Token spans tiling ``prompt_ids`` cut at ``config.asks.chunk_separator``, for retrieved-context
+        reuse; None when it is off, the prompt is token ids (no text to cut), or the tokenizer gives
+        no character offsets. The spans come from the same tokenisation as ``prompt_ids``, which is
+        checked token for token, so cutting never changes how the prompt is tokenised."""
+        config = self.config.asks
+        if not (config.enabled and config.reuse_chunks and self._cacheable):
+            return None
+        if isinstance(prompt, str):
+            text, special = prompt, True
+        elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
+            text, special = self.render_chat(list(prompt)), False
+        else:
+            return None
+        if config.chunk_separator not in text:
+            return None
+        try:
+            encoded = self._tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # a slow tokenizer has no offsets
+            return None
+        if list(encoded["input_ids"]) != prompt_ids:
+            return None
+        offsets = [tuple(pair) for pair in encoded["offset_mapping"]]
+        return tuple(chunk_reuse.segment_spans(text, offsets, config.chunk_separator))
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""
@@ -591,15 +617,19 @@ class RKSCEngine:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+    def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None,
+                      segments: Sequence[tuple[int, int]] | None = None) -> Generator[int, None, Prefilled]:
         """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None);
         the scheduler's chunked prefill. The caller holds the engine (``exclusive()``).
 
         A generator: it yields the tokens each pass computed, between passes, so the scheduler can
         decode other requests in between, and returns the ``Prefilled``. The matched prefix stays
-        locked until it returns or is closed (``close()`` on a cancelled request unlocks it)."""
+        locked until it returns or is closed (``close()`` on a cancelled request unlocks it).
+        ``segments`` (``prompt_segments``) let retrieved chunks be reused (``config.asks.reuse_chunks``)."""
         with torch.inference_mode():
-            prefilled = self._prefill_with_asks(prompt_ids)
+            prefilled = self._prefill_with_chunks(prompt_ids, segments) if segments else None
+            if prefilled is None:
+                prefilled = self._prefill_with_asks(prompt_ids)
         if prefilled is not None:
             return prefilled
         cache, matched, node = self._cache_for_prefix(prompt_ids)
@@ -628,6 +658,87 @@ class RKSCEngine:
         else:
             self._stats.cache_misses += 1
         return Prefilled(prompt_ids, cache, out.logits[:, -1, :], matched)
+
+    def _prefill_with_chunks(self, prompt_ids: list[int], segments: Sequence[tuple[int, int]]) -> Prefilled | None:
+        """Prefill with retrieved chunks' KV reused at their positions in this prompt
+        (``rksc_engine.chunk_reuse``); None when no chunk can be reused, so the other paths run.
+
+        Each segment between the first and the last is a chunk, cached as ``header + chunk`` (the
+        header being the prompt's first segment) in the radix cache and prefilled that way the first
+        time it is seen. The last segment (the question) may start with a cached chunk; that part
+        is reused too. Only the exact part, the prompt up to the first reused chunk, is inserted."""
+        config = self.config.asks
+        if not (config.enabled and config.reuse_chunks and self._cacheable and asks.supports_asks(self._model)):
+            return None
+        if len(segments) < 3 or config.recompute_fraction >= 1.0:  # nothing between header and question, or exact
+            return None
+        anchor = prompt_ids[:segments[0][1]]  # the header: chunks are cached as computed right after it
+        last = len(prompt_ids) - 1  # the last prompt token is always computed: it gives the logits
+        candidates = [(start, min(end, last)) for start, end in segments[1:]
+                      if min(end, last) - start >= config.min_reuse_tokens]
+        cached_tokens = 0
+        cached_chunks = 0
+        for start, end in candidates:
+            if end <= segments[-1][0]:  # a middle segment: cache it on its own the first time it is seen
+                computed = self._cache_sequence(anchor + prompt_ids[start:end])
+                cached_tokens += computed
+                cached_chunks += computed > 0
+        # The first chunk is now a token-exact continuation of the header; whatever the radix cache
+        # matches exactly is served exact, and only the chunks after it are reused.
+        exact_tokens = self.prefix_cache.match_prefix(prompt_ids, max_tokens=last).num_tokens
+        candidates = [(start, end) for start, end in candidates if start >= exact_tokens]
+        self._stats.prompt_tokens_computed += cached_tokens
+        self._stats.chunk_tokens_cached += cached_tokens
+        locked, chunks = [], []
+        try:
+            for start, end in candidates:
+                found = self.prefix_cache.match_prefix(anchor + prompt_ids[start:end])
+                size = found.num_tokens - len(anchor)
+                if size < config.min_reuse_tokens:
+                    continue  # evicted since, or a question segment that does not start with a chunk
+                self.prefix_cache.lock(found.last_node)
+                locked.append(found.last_node)
+                chunks.append(chunk_reuse.ReusedChunk(start, found.kv[:, :, :, len(anchor):], len(anchor)))
+            if not chunks:
+                return None
+            cache, matched, node = self._cache_for_prefix(prompt_ids[:chunks[0].start + 1])
+            if node is not None:
+                locked.append(node)
+            result = chunk_reuse.prefill_with_chunks(
+                prompt_ids, cache, chunks, self._forward, self._model, config,
+                num_segments=len(segments), num_cached_chunks=cached_chunks)
+            exact_kv = _stack_kv(result.cache)[:, :, :, :result.num_exact_tokens]
+            self.prefix_cache.insert(prompt_ids[:result.num_exact_tokens], exact_kv)
+        finally:
+            for held in locked:
+                self.prefix_cache.unlock(held)
+        decision = result.decision
+        reused = matched + decision.reused_tokens
+        self._stats.prefills += 1
+        self._stats.prompt_tokens_computed += result.num_computed_tokens
+        self._stats.prompt_tokens_reused += reused
+        self._stats.cache_hits += 1 if reused else 0
+        self._stats.cache_misses += 0 if reused else 1
+        self._stats.chunk_reuse_prompts += int(decision.reused)
+        self._stats.chunks_reused += decision.chunks_reused
+        self._stats.chunk_recomputed_tokens += decision.recomputed_tokens
+        self._stats.chunk_probe_tokens += decision.probe_tokens
+        return Prefilled(prompt_ids, result.cache, result.last_logits, reused, exact=result.exact, asks=decision)
+
+    def _cache_sequence(self, token_ids: list[int]) -> int:
+        """Make sure the radix cache holds ``token_ids`` (prefilling what it lacks on top of what it
+        has); returns the tokens computed."""
+        found = self.prefix_cache.match_prefix(token_ids)
+        if found.num_tokens == len(token_ids):
+            return 0
+        cache, matched, node = self._cache_for_prefix(token_ids + [0])  # the +1: match all of token_ids
+        try:
+            self._forward(torch.tensor([token_ids[matched:]], device=self.device), cache, logits_to_keep=1)
+            self.prefix_cache.insert(token_ids, _stack_kv(cache))
+        finally:
+            if node is not None:
+                self.prefix_cache.unlock(node)
+        return len(token_ids) - matched
 
     def _prefill_with_asks(self, prompt_ids: list[int]) -> Prefilled | None:
         """Prefill through ASKS (``config.asks``, ``rksc_engine.asks``) when the prompt realigns with a

@@ -49,7 +49,7 @@ from .shared_prefix import (
     attention_implementation,
     initial_suffix_capacity,
 )
-from .types import ASKSDecision, Completion, StreamChunk
+from .types import ASKSDecision, ChunkReuseDecision, Completion, StreamChunk
 
 if TYPE_CHECKING:
     from .engine import RKSCEngine
@@ -105,7 +105,8 @@ class _Request:
     max_new: int = 0
     num_cached_tokens: int = 0
     exact: bool = True
-    asks: ASKSDecision | None = None
+    asks: ASKSDecision | ChunkReuseDecision | None = None
+    segments: tuple[tuple[int, int], ...] | None = None  # the prompt cut at the chunk separator
     locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
     prefill: Any = None  # the prompt's prefill while it runs in chunks (engine.prefill_steps)
     prefill_done: int = 0  # tokens its finished prefill passes computed
@@ -144,11 +145,14 @@ class Scheduler:
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
-               logits_processor: LogitsProcessor | None) -> RequestHandle:
-        """Queue a validated request; returns its handle at once."""
+               logits_processor: LogitsProcessor | None,
+               segments: tuple[tuple[int, int], ...] | None = None) -> RequestHandle:
+        """Queue a validated request; returns its handle at once. ``segments``: the prompt cut at the
+        chunk separator, for retrieved-context reuse (``engine.prompt_segments``)."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         channel = RequestChannel()
         request = _Request(next(self._ids), list(prompt_ids), n, params, channel, stream, logits_processor, seed)
+        request.segments = segments
         with self._cv:
             self._waiting.append(request)
             self._ensure_thread()
@@ -316,7 +320,7 @@ class Scheduler:
             request.admissions += 1
             if request.admissions == 1:
                 engine.count("requests")
-            request.prefill = engine.prefill_steps(request.prompt_ids, config.max_prefill_tokens)
+            request.prefill = engine.prefill_steps(request.prompt_ids, config.max_prefill_tokens, request.segments)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import time
 import uuid
@@ -215,24 +216,34 @@ def inline_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def offer_tools(
-    messages: Sequence[dict[str, Any]], request: ToolRequest | None, tokenizer: Any
+    messages: Sequence[dict[str, Any]], request: ToolRequest | None, tokenizer: Any, *,
+    json_answer: bool = False, schema: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and ``apply_chat_template`` keyword arguments that offer ``request``'s tools.
 
     A template that takes tools gets them as ``tools=`` and keeps ``tool_calls`` on the messages;
-    otherwise earlier calls are inlined and the tools are described in the system message.
+    otherwise earlier calls are inlined and the tools are described in the system message. With
+    ``json_answer`` the system message also asks for JSON (``json_instruction(schema)``): the model
+    writes the values of a constrained answer, and it writes them better when it knows the shape.
     """
     if request is not None and template_takes_tools(tokenizer):
-        return list(messages), {"tools": request.openai_tools()}
-    out = [inline_tool_calls(m) for m in messages]
-    if request is not None:
-        out = add_system_text(out, tool_system_prompt(list(request.functions.values())))
-    return out, {}
+        out, template_kwargs = list(messages), {"tools": request.openai_tools()}
+    else:
+        out, template_kwargs = [inline_tool_calls(m) for m in messages], {}
+        if request is not None:
+            out = add_system_text(out, tool_system_prompt(list(request.functions.values())))
+    if json_answer:
+        out = add_system_text(out, json_instruction(schema))
+    return out, template_kwargs
 
 
-def encode_with_tools(engine: Any, messages: Sequence[dict[str, Any]], request: ToolRequest | None) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template, tools offered per ``offer_tools``."""
-    rendered, template_kwargs = offer_tools(messages, request, engine.tokenizer)
+def encode_with_tools(
+    engine: Any, messages: Sequence[dict[str, Any]], request: ToolRequest | None, *,
+    json_answer: bool = False, schema: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, tools offered (and a JSON answer
+    asked for) per ``offer_tools``."""
+    rendered, template_kwargs = offer_tools(messages, request, engine.tokenizer, json_answer=json_answer, schema=schema)
     return engine.encode_chat(rendered, **template_kwargs)
 
 
@@ -572,18 +583,9 @@ class ConstrainedDecoder:
         match = (_INT if integer else _NUMBER).match(raw)
         default = schema.get("default", schema.get("minimum", 0))
         value: int | float = (int(match.group(1)) if integer else float(match.group(1))) if match else default
-        # The bounds are part of the schema, so the coerced value honours them too.
-        low = schema.get("minimum", schema.get("exclusiveMinimum"))
-        high = schema.get("maximum", schema.get("exclusiveMaximum"))
-        step = 1 if integer else 0
-        if "exclusiveMinimum" in schema and value <= low:
-            value = low + step
-        elif low is not None and value < low:
-            value = low
-        if "exclusiveMaximum" in schema and value >= high:
-            value = high - step
-        elif high is not None and value > high:
-            value = high
+        if not math.isfinite(value):  # "1e999" parses to inf, which JSON cannot write
+            value = default
+        value = _within_bounds(value, schema, integer)
         value = int(value) if integer else float(value)
         self.emit(json.dumps(value))
         return value
@@ -812,6 +814,27 @@ def _result(
     return ConstrainedResult(text, calls, value, finish_reason, first, generated, decoder.timing["mask_s"])
 
 
+def decode_constrained(
+    engine: Any, prompt_ids: Sequence[int], params: SamplingParams, request: ToolRequest | None = None,
+    schema: dict[str, Any] | None = None, *, token_masks: bool = True,
+) -> tuple[ConstrainedResult, str]:
+    """An answer decoded under its schema from the first token, and its message content: a call of
+    ``request``'s tools when it forces one, else a JSON answer of ``schema`` (an object whose keys
+    the model chooses when there is none).
+
+    Every client that asks for a forced call or a JSON answer (the adapters, the HTTP server) comes
+    through here, so they agree on the answer and on what the message says.
+
+    Args:
+        params: The value calls' settings (``value_params``).
+    """
+    if request is not None and request.forced:
+        result = decode_tool_call(engine, prompt_ids, params, request, token_masks=token_masks)
+        return result, tool_turn_content(result.text, engine.tokenizer)
+    result = decode_json(engine, prompt_ids, params, schema, token_masks=token_masks)
+    return result, result.text
+
+
 def json_instruction(schema: dict[str, Any] | None) -> str:
     """The system text asking for a JSON answer (with its schema, when there is one)."""
     if not schema:
@@ -836,6 +859,142 @@ def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return walk(schema)
 
 
+# -- what the decoder honours ---------------------------------------------------------------------
+JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+# Assertions the decoder does not enforce: output decoded under a schema that uses them may not
+# validate, so a caller that promises validity refuses such a schema up front (``check_schema``).
+UNSUPPORTED_KEYWORDS = (
+    "pattern", "minLength", "maxLength", "format", "contentEncoding", "contentMediaType", "multipleOf",
+    "prefixItems", "contains", "minContains", "maxContains", "minProperties", "maxProperties",
+    "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies", "not",
+    "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
+)
+_COMBINERS = ("anyOf", "oneOf", "allOf")
+
+
+class SchemaNotSupported(ValueError):
+    """A JSON schema asks for something ``ConstrainedDecoder`` cannot guarantee.
+
+    Attributes:
+        loc: Where, as keys and list indices from the schema's root (``("properties", "x", "pattern")``).
+    """
+
+    def __init__(self, message: str, loc: tuple[str | int, ...]) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def check_schema(schema: Any) -> None:
+    """Raise ``SchemaNotSupported`` unless every value decoded under ``schema`` validates against it.
+
+    The decoder honours ``type`` (one, or one plus ``"null"``), ``properties``/``required``,
+    ``additionalProperties`` beside properties, ``items``, ``enum``, ``const``, numeric bounds, local
+    ``$ref``s (not recursive ones), Optional-style ``anyOf``/``oneOf`` (one non-null option) and a
+    one-schema ``allOf``. It writes only required keys, 1 to ``MAX_ITEMS`` array items, and coerces
+    each value to its type; anything that constrains more than that (``UNSUPPORTED_KEYWORDS``, tighter
+    array bounds, unions of several types) is refused rather than answered with invalid JSON.
+    Keywords it does not know are annotations (``title``, ``description``, vendor keys) and pass.
+
+    Raises:
+        SchemaNotSupported: The first unsupported use, with its location.
+    """
+    defs = {}
+    if isinstance(schema, dict):
+        defs = {**{k: ("definitions", k) for k in schema.get("definitions") or {}},
+                **{k: ("$defs", k) for k in schema.get("$defs") or {}}}
+    _check_node(schema, schema, (), defs, ())
+
+
+def _check_node(root: Any, node: Any, loc: tuple[str | int, ...], defs: dict[str, tuple[str, str]],
+                refs: tuple[str, ...]) -> None:
+    if not isinstance(node, dict):
+        raise SchemaNotSupported(f"must be a JSON-schema object, got {json.dumps(node)[:40]}", loc)
+    ref = node.get("$ref")
+    if ref is not None:
+        name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else None
+        if not isinstance(ref, str) or not ref.startswith("#/") or name not in defs:
+            raise SchemaNotSupported(f"$ref {ref!r} is not a local reference to $defs or definitions", (*loc, "$ref"))
+        if name in refs:
+            raise SchemaNotSupported(f"$ref {ref!r} is recursive; the decoder needs a finite schema", (*loc, "$ref"))
+        target_loc = defs[name]
+        _check_node(root, root[target_loc[0]][target_loc[1]], target_loc, defs, (*refs, name))
+    for keyword in UNSUPPORTED_KEYWORDS:
+        if keyword in node:
+            raise SchemaNotSupported(f"{keyword} is not supported: constrained decoding cannot enforce it",
+                                     (*loc, keyword))
+    if node.get("uniqueItems"):
+        raise SchemaNotSupported("uniqueItems is not supported: constrained decoding cannot enforce it",
+                                 (*loc, "uniqueItems"))
+    _check_type(node, loc)
+    _check_combiners(root, node, loc, defs, refs)
+    _check_object(root, node, loc, defs, refs)
+    _check_array(root, node, loc, defs, refs)
+    if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+        raise SchemaNotSupported("enum must be a non-empty list", (*loc, "enum"))
+
+
+def _check_type(node: dict[str, Any], loc: tuple[str | int, ...]) -> None:
+    kind = node.get("type")
+    if kind is None:
+        return
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+        raise SchemaNotSupported(f"type must be one of {sorted(JSON_TYPES)} or a list of them, got {kind!r}",
+                                 (*loc, "type"))
+    if len([k for k in kinds if k != "null"]) > 1:
+        raise SchemaNotSupported(f"type {kind!r} is a union of several types; the decoder writes one (and null)",
+                                 (*loc, "type"))
+
+
+def _check_combiners(root: Any, node: dict[str, Any], loc: tuple[str | int, ...],
+                     defs: dict[str, tuple[str, str]], refs: tuple[str, ...]) -> None:
+    for combiner in _COMBINERS:
+        if combiner not in node:
+            continue
+        options = node[combiner]
+        if not isinstance(options, list) or not options:
+            raise SchemaNotSupported(f"{combiner} must be a non-empty list of schemas", (*loc, combiner))
+        non_null = [i for i, o in enumerate(options) if not (isinstance(o, dict) and o.get("type") == "null")]
+        if len(non_null) != 1:
+            raise SchemaNotSupported(f"{combiner} with {len(non_null)} non-null options is not supported: the "
+                                     f"decoder takes exactly one (Optional[X])", (*loc, combiner))
+        _check_node(root, options[non_null[0]], (*loc, combiner, non_null[0]), defs, refs)
+
+
+def _check_object(root: Any, node: dict[str, Any], loc: tuple[str | int, ...],
+                  defs: dict[str, tuple[str, str]], refs: tuple[str, ...]) -> None:
+    properties = node.get("properties")
+    if properties is not None and not isinstance(properties, dict):
+        raise SchemaNotSupported("properties must be an object of schemas", (*loc, "properties"))
+    for key, value in (properties or {}).items():
+        _check_node(root, value, (*loc, "properties", key), defs, refs)
+    required = node.get("required")
+    if required is not None:
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise SchemaNotSupported("required must be a list of property names", (*loc, "required"))
+        missing = [k for k in required if k not in (properties or {})]
+        if missing:
+            raise SchemaNotSupported(f"required names {missing}, which are not in properties; the decoder "
+                                     f"writes only declared properties", (*loc, "required"))
+    extra = node.get("additionalProperties")
+    if extra is not None and not isinstance(extra, bool) and not properties:
+        raise SchemaNotSupported("additionalProperties as a schema (a map of typed values) is not supported",
+                                 (*loc, "additionalProperties"))
+
+
+def _check_array(root: Any, node: dict[str, Any], loc: tuple[str | int, ...],
+                 defs: dict[str, tuple[str, str]], refs: tuple[str, ...]) -> None:
+    if "items" in node:
+        _check_node(root, node["items"], (*loc, "items"), defs, refs)
+    low, high = node.get("minItems"), node.get("maxItems")
+    if low is not None and (not isinstance(low, int) or low > 1):
+        raise SchemaNotSupported(f"minItems {low} is not supported: the decoder may write a single item",
+                                 (*loc, "minItems"))
+    if high is not None and (not isinstance(high, int) or high < MAX_ITEMS):
+        raise SchemaNotSupported(f"maxItems {high} is not supported: the decoder may write up to {MAX_ITEMS} items",
+                                 (*loc, "maxItems"))
+
+
 def _simplify(schema: dict[str, Any]) -> dict[str, Any]:
     """Optional[X] (``anyOf [X, null]``) and one-item ``allOf`` as X; ``type: [X, "null"]`` as X."""
     for combiner in ("anyOf", "oneOf", "allOf"):
@@ -850,6 +1009,27 @@ def _simplify(schema: dict[str, Any]) -> dict[str, Any]:
         non_null = [k for k in kind if k != "null"]
         return {**schema, "type": non_null[0] if non_null else "null"}
     return schema
+
+
+def _within_bounds(value: int | float, schema: dict[str, Any], integer: bool) -> int | float:
+    """``value`` moved to the nearest value the schema's bounds allow: the bounds are part of the
+    schema, so a coerced value honours them too. ``exclusiveMinimum``/``exclusiveMaximum`` are
+    bounds of their own (a ``true`` flag makes ``minimum``/``maximum`` exclusive, the draft-4 form)."""
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if low is not None and value < low:
+        value = low
+    if high is not None and value > high:
+        value = high
+    above, below = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+    if isinstance(above, bool):
+        above = low if above else None
+    if isinstance(below, bool):
+        below = high if below else None
+    if above is not None and value <= above:
+        value = math.floor(above) + 1 if integer else math.nextafter(above, math.inf)
+    if below is not None and value >= below:
+        value = math.ceil(below) - 1 if integer else math.nextafter(below, -math.inf)
+    return value
 
 
 def _closest(raw: str, options: list[str]) -> str:

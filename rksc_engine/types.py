@@ -46,6 +46,39 @@ class ASKSDecision:
     probe_tokens: int = 0
     mean_deviation: float | None = None
     max_deviation: float | None = None
+    kind: str = "realign"
+
+
+@dataclass(frozen=True)
+class ChunkReuseDecision:
+    """What retrieved-context reuse did for one prompt (see ``rksc_engine.chunk_reuse``).
+
+    Attributes:
+        reused: Whether cached chunk KV was reused (approximate KV).
+        segments: Segments the prompt was cut into at the chunk separator.
+        chunks_reused: Chunks whose cached KV was placed in the prompt.
+        chunks_cached: Chunks prefilled on their own for this prompt (seen for the first time).
+        prefix_tokens: Leading tokens served exact KV by the token-exact radix cache.
+        reused_tokens: Prompt tokens served reused chunk KV (after repair).
+        recomputed_tokens: Reused-chunk tokens recomputed through every layer instead (all of them
+            when the deviation gate refused the reuse).
+        probe_tokens: Reused tokens run through the first decoder layers to measure their deviation.
+        mean_deviation: Mean relative KV deviation of the reused tokens at the probe layer; None when
+            not probed.
+        max_deviation: The largest per-token deviation; None when not probed.
+    """
+
+    reused: bool
+    segments: int
+    chunks_reused: int
+    chunks_cached: int
+    prefix_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    probe_tokens: int = 0
+    mean_deviation: float | None = None
+    max_deviation: float | None = None
+    kind: str = "chunks"
 
 
 @dataclass(frozen=True)
@@ -64,8 +97,9 @@ class Completion:
         num_cached_tokens: Prompt tokens whose KV came from the prefix cache instead of being computed.
         branch_index: Position among siblings; the branch drew from the generator seeded ``seed + branch_index``.
         seed: The seed of branch 0 of the call.
-        asks: The ASKS decision for the prompt, or None when ASKS did not act (off, or no cached
-            sequence realigned with the prompt).
+        asks: What ASKS did for the prompt: an ``ASKSDecision`` (a reworded span realigned with a
+            cached sequence) or a ``ChunkReuseDecision`` (retrieved chunks reused at new positions);
+            None when ASKS did not act.
     """
 
     text: str
@@ -76,7 +110,7 @@ class Completion:
     num_cached_tokens: int = 0
     branch_index: int = 0
     seed: int | None = None
-    asks: ASKSDecision | None = None
+    asks: ASKSDecision | ChunkReuseDecision | None = None
 
     @property
     def confidence(self) -> float:
@@ -133,6 +167,11 @@ class EngineStats:
     asks_reused_tokens: int = 0  # prompt tokens served approximate (reused, re-rotated) KV
     asks_recomputed_tokens: int = 0  # remainder tokens computed instead (fallbacks, selective recompute)
     asks_check_tokens: int = 0  # cached-span tokens recomputed only to compare hidden states
+    chunk_reuse_prompts: int = 0  # prompts that reused retrieved chunks' KV (asks.reuse_chunks)
+    chunks_reused: int = 0  # chunks placed in those prompts from the cache
+    chunk_tokens_cached: int = 0  # chunk tokens prefilled on their own the first time a chunk was seen
+    chunk_recomputed_tokens: int = 0  # reused-chunk tokens recomputed by the repair (or the gate)
+    chunk_probe_tokens: int = 0  # reused-chunk tokens run through the first layers to measure deviation
     running_requests: int = 0  # requests decoding now
     waiting_requests: int = 0  # requests queued for admission
     running_kv_bytes: int = 0  # KV the running requests hold outside the prefix cache

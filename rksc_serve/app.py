@@ -15,7 +15,9 @@ Endpoints:
 
 Promises:
     * Only the engine's public API is used (``submit``, ``areason``, ``tree_search``, ``stats``,
-      ``tokenizer``, ``model_name``, ``context_window``, ``config.cgee``); the engine knows nothing of HTTP.
+      ``tokenizer``, ``model_name``, ``context_window``, ``config.cgee``; for tools and JSON answers
+      ``encode_chat``, ``validate_request`` and what ``rksc_engine.tools`` uses); the engine knows
+      nothing of HTTP.
     * With ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``
       (401 otherwise, compared in constant time).
     * A bad request is HTTP 400 with OpenAI's error JSON ``{"error": {"message", "type":
@@ -31,6 +33,16 @@ Promises:
       ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. A
       choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
       when it finishes).
+    * Tools and JSON answers (``tools``, ``tool_choice``, ``response_format``) are decided by
+      ``rksc_engine.tools``, as the adapters decide them (``rksc_serve.tool_turns``): calls and JSON
+      are decoded under their schema, a call comes back as ``message.tool_calls`` with
+      ``finish_reason: "tool_calls"``. Their streams deliver a decided turn's calls (and a JSON
+      answer) in one delta each rather than token by token: the call is decoded a value at a time
+      under the schema, not as one stream of tokens. The free text of a turn with tools offered is
+      streamed as it is generated, so where a whole response drops the text a small model writes
+      before its call (``tools.tool_turn_content``, for a template without tool support), the
+      stream has already sent it. A constrained answer runs to its end even when its client goes
+      away (its engine calls are short); a free generation is cancelled as usual.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams
+from rksc_engine import tools as tool_protocol
 from rksc_engine.reasoning import default_cgee
 
 from .logprobs import TokenText, TopLogprobsRecorder
@@ -57,6 +70,7 @@ from .metrics import CountRequests, ServeMetrics
 from .protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
+    ChatPlan,
     CompletionRequest,
     InvalidRequest,
     ServeLimits,
@@ -64,7 +78,8 @@ from .protocol import (
     error_param,
 )
 from .reasoning import ReasonRequest, TreeSearchRequest, engine_error_field, reasoning_body, search_body
-from .responses import ChatShape, Shape, TextShape, envelope, stop_reason, usage
+from .responses import ChatShape, Shape, TextShape, Turn, envelope, stop_reason, turns_usage, usage
+from .tool_turns import choice_seed, constrained_turn, finish_turn
 
 # Seconds between checks that the client of a non-streamed request is still connected.
 DISCONNECT_POLL_S = 0.5
@@ -131,10 +146,14 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     async def chat_completions(request: Request) -> Response:
         server.authorize(request)
         body = await server.parse(request, ChatCompletionRequest)
-        _check(body.check)
+        plan: ChatPlan = _check(body.check)
         messages = [m.to_engine() for m in body.messages]
-        return await server.generate(request, ChatShape(server.token_text), body, [messages],
-                                     server.limits.max_tokens, "messages")
+        shape = ChatShape(server.token_text)
+        if not plan.free_text:
+            return await server.generate_turns(request, shape, body, plan, messages)
+        # Calls in the history are written into their turns' text, as the adapters render them.
+        messages, _ = tool_protocol.offer_tools(messages, None, engine.tokenizer)
+        return await server.generate(request, shape, body, [messages], server.limits.max_tokens, "messages")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -256,23 +275,43 @@ class _Server:
             param = engine_error_field(str(error), prompt_param, n_param)
             raise APIError(400, f"{param}: {error}", param) from None
 
-    def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str
+    def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str, *,
+               stop_at_tool_call: bool = False
                ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
         """One engine request per prompt, all queued before any is awaited; the engine's own checks
-        are 400s (and cancel what was already queued)."""
+        are 400s (and cancel what was already queued). Returns the request's own sampling
+        parameters; with ``stop_at_tool_call`` the engine also stops at the tool-call opener."""
         handles: list[RequestHandle] = []
         top_k, n, stream = body.num_top_logprobs, body.n, body.stream
         recorders = [TopLogprobsRecorder(top_k) if top_k else None for _ in prompts]
         try:
             params = body.sampling_params(default_max_tokens)
+            submitted = tool_protocol.with_tool_call_stop(params) if stop_at_tool_call else params
             for prompt, recorder in zip(prompts, recorders):
-                handles.append(self.engine.submit(prompt, n, params, stream=stream, logits_processor=recorder))
+                handles.append(self.engine.submit(prompt, n, submitted, stream=stream, logits_processor=recorder))
         except (ValueError, TypeError) as error:
             for handle in handles:
                 handle.cancel()
-            param = engine_error_param(str(error), prompt_param)
-            raise APIError(400, f"{param}: {error}", param) from None
+            raise _engine_400(error, prompt_param) from None
         return params, handles, recorders
+
+    def turn_prompt(self, body: ChatCompletionRequest, plan: ChatPlan, messages: list[dict[str, Any]]
+                    ) -> tuple[list[int], SamplingParams]:
+        """The prompt with the plan's tools offered (and JSON asked for), and the request's sampling
+        parameters, both checked by the engine before anything runs: 400 naming the field, 501 for
+        an engine that cannot render tools (it has no tokenizer of its own)."""
+        try:
+            prompt_ids = tool_protocol.encode_with_tools(self.engine, messages, plan.tools,
+                                                         json_answer=plan.json_answer, schema=plan.schema)
+            params = body.sampling_params(self.limits.max_tokens)
+            if plan.constrained_from_start:  # its value calls are single short requests on this prompt
+                self.engine.validate_request(prompt_ids, 1, tool_protocol.value_params(params, params.seed))
+        except NotImplementedError as error:
+            raise APIError(501, f"tools and response_format need a local RKSCEngine: {error}",
+                           error_type="not_implemented_error") from None
+        except (ValueError, TypeError) as error:
+            raise _engine_400(error, "messages") from None
+        return prompt_ids, params
 
     # -- answers out ----------------------------------------------------------------------------
     async def generate(self, request: Request, shape: Shape, body: Any, prompts: Sequence[Any],
@@ -280,26 +319,44 @@ class _Server:
         params, handles, recorders = self.submit(prompts, body, default_max_tokens, prompt_param)
         reply = _Reply(self, shape, body, params, recorders)
         if body.stream:
-            return StreamingResponse(reply.events(handles), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        def cancel_all() -> None:
-            for handle in handles:
-                handle.cancel()
-
-        watcher = asyncio.create_task(_on_disconnect(request, cancel_all))
-        try:
-            per_prompt = [await handle for handle in handles]
-        except RequestCancelled:
-            raise APIError(499, "the client closed the request", error_type="cancelled") from None
-        except Exception as error:
-            raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
-        finally:
-            watcher.cancel()
-            for handle in handles:
-                if not handle.done():
-                    handle.cancel()
+            return _event_stream(reply.events(handles))
+        per_prompt = await _wait_for(request, handles)
         self.metrics.count_tokens(per_prompt)
         return JSONResponse(reply.whole(per_prompt))
+
+    async def generate_turns(self, request: Request, shape: ChatShape, body: ChatCompletionRequest,
+                             plan: ChatPlan, messages: list[dict[str, Any]]) -> Response:
+        """A chat request with tools offered or a JSON answer asked for (``rksc_serve.tool_turns``)."""
+        prompt_ids, params = self.turn_prompt(body, plan, messages)
+        if plan.constrained_from_start:
+            reply = _Reply(self, shape, body, params, [None])
+
+            async def decide() -> list[Turn]:
+                return list(await asyncio.gather(*(
+                    asyncio.to_thread(constrained_turn, self.engine, prompt_ids, params, plan,
+                                      choice_seed(params.seed, i))
+                    for i in range(body.n))))
+
+            if body.stream:
+                return _event_stream(reply.turn_events(decide))
+            turns = await _failed_as_500(_cancelled_on_disconnect(request, decide()))
+        else:
+            assert plan.tools is not None
+            tools = plan.tools
+
+            async def finish(completion: Completion) -> Turn:
+                return await asyncio.to_thread(finish_turn, self.engine, prompt_ids, tools, completion, params)
+
+            params, handles, recorders = self.submit([prompt_ids], body, self.limits.max_tokens, "messages",
+                                                     stop_at_tool_call=True)
+            reply = _Reply(self, shape, body, params, recorders)
+            if body.stream:
+                return _event_stream(reply.events(handles, finish))
+            [completions] = await _wait_for(request, handles)
+            turns = await _failed_as_500(asyncio.gather(*(finish(c) for c in completions)))
+        answer = reply.whole_turns(turns)
+        self.metrics.count_usage(answer["usage"])
+        return JSONResponse(answer)
 
 
 class _Reply:
@@ -328,23 +385,42 @@ class _Reply:
         return envelope(self.shape, self.id, self.created, self.server.model_name, choices, chunk=False,
                         usage_body=usage(per_prompt))
 
+    def whole_turns(self, turns: list[Turn]) -> dict[str, Any]:
+        """The body of one prompt's decided turns (choice ``i`` is turn ``i``)."""
+        assert isinstance(self.shape, ChatShape)
+        choices = [self.shape.turn_choice(i, turn) for i, turn in enumerate(turns)]
+        return envelope(self.shape, self.id, self.created, self.server.model_name, choices, chunk=False,
+                        usage_body=turns_usage(turns))
+
     def _event(self, choices: list[dict], usage_body: dict | None = None) -> str:
         body = envelope(self.shape, self.id, self.created, self.server.model_name, choices, chunk=True,
                         usage_body=usage_body)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def events(self, handles: list[RequestHandle]) -> AsyncIterator[str]:
+    def _openings(self, count: int) -> list[str]:
+        openings = [self.shape.opening_choice(i) for i in range(count)]
+        return [self._event([o for o in openings if o])] if any(openings) else []
+
+    def _closing(self, usage_body: dict[str, Any]) -> list[str]:
+        """The usage chunk (when asked for) and ``[DONE]``; the request's tokens are counted."""
+        self.server.metrics.count_usage(usage_body)
+        return ([self._event([], usage_body)] if self.body.include_usage else []) + ["data: [DONE]\n\n"]
+
+    async def events(self, handles: list[RequestHandle],
+                     finish: Callable[[Completion], Awaitable[Turn]] | None = None) -> AsyncIterator[str]:
         """The stream: opening chunks, a chunk per step and choice, the usage chunk, ``[DONE]``.
 
         Prompts are read one after another; they decode concurrently all the same (their chunks wait
         in their handles). Closing this generator (the client went away) cancels every handle.
+        With ``finish`` (tools offered) each finished choice becomes a turn, whose calls follow its
+        text (``ChatShape.turn_chunks``).
         """
         n = self.body.n
         try:
-            openings = [self.shape.opening_choice(i) for i in range(n * len(handles))]
-            if any(openings):
-                yield self._event([o for o in openings if o])
+            for opening in self._openings(n * len(handles)):
+                yield opening
             per_prompt: list[list[Completion]] = []
+            turns: list[Turn] = []
             for p, handle in enumerate(handles):
                 finished: list[Completion] = []
                 async for chunk in handle:
@@ -355,21 +431,88 @@ class _Reply:
                         continue
                     completion = chunk.completion
                     finished.append(completion)
-                    yield self._event([self.shape.final_choice(index, chunk.text, completion,
-                                                               self._logprobs(completion, p), self._stop(completion))])
+                    if finish is None:
+                        yield self._event([self.shape.final_choice(
+                            index, chunk.text, completion, self._logprobs(completion, p), self._stop(completion))])
+                        continue
+                    assert isinstance(self.shape, ChatShape)
+                    turn = await finish(completion)
+                    turns.append(turn)
+                    for choice in self.shape.turn_chunks(index, chunk.text, turn):
+                        yield self._event([choice])
                 per_prompt.append(sorted(finished, key=lambda c: c.branch_index))
-            self.server.metrics.count_tokens(per_prompt)
-            if self.body.include_usage:
-                yield self._event([], usage(per_prompt))
-            yield "data: [DONE]\n\n"
+            for event in self._closing(usage(per_prompt) if finish is None else turns_usage(turns)):
+                yield event
         except RequestCancelled:
             return
         except Exception as error:  # the headers are gone: report in the stream, as OpenAI does
-            yield f"data: {json.dumps(APIError(500, f'generation failed: {error}', error_type='server_error').body())}\n\n"
+            yield _stream_error(error)
         finally:
             for handle in handles:
                 if not handle.done():
                     handle.cancel()
+
+    async def turn_events(self, decide: Callable[[], Awaitable[list[Turn]]]) -> AsyncIterator[str]:
+        """The stream of constrained answers: the opening chunk at once, then each choice's answer
+        (its JSON text, its calls) once ``decide()`` has decoded them all, the usage chunk, ``[DONE]``."""
+        assert isinstance(self.shape, ChatShape)
+        try:
+            for opening in self._openings(self.body.n):
+                yield opening
+            turns = await decide()
+            for index, turn in enumerate(turns):
+                for choice in self.shape.turn_chunks(index, turn.content, turn):
+                    yield self._event([choice])
+            for event in self._closing(turns_usage(turns)):
+                yield event
+        except Exception as error:
+            yield _stream_error(error)
+
+
+def _engine_400(error: Exception, prompt_param: str) -> APIError:
+    """An engine ``ValueError``/``TypeError`` as a 400 naming the request field it is about."""
+    param = engine_error_param(str(error), prompt_param)
+    return APIError(400, f"{param}: {error}", param)
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _stream_error(error: Exception) -> str:
+    """An error once a stream's headers are gone: reported in the stream, as OpenAI does."""
+    return f"data: {json.dumps(APIError(500, f'generation failed: {error}', error_type='server_error').body())}\n\n"
+
+
+async def _wait_for(request: Request, handles: list[RequestHandle]) -> list[list[Completion]]:
+    """Each handle's completions; all are cancelled when the client goes away (499) or one fails (500)."""
+    def cancel_all() -> None:
+        for handle in handles:
+            handle.cancel()
+
+    watcher = asyncio.create_task(_on_disconnect(request, cancel_all))
+    try:
+        return [await handle for handle in handles]
+    except RequestCancelled:
+        raise APIError(499, "the client closed the request", error_type="cancelled") from None
+    except Exception as error:
+        raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
+    finally:
+        watcher.cancel()
+        for handle in handles:
+            if not handle.done():
+                handle.cancel()
+
+
+async def _failed_as_500(call: Awaitable[Any]) -> Any:
+    """``call``'s result; an engine failure in it (not a 499) as a 500."""
+    try:
+        return await call
+    except APIError:
+        raise
+    except Exception as error:
+        raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
 
 
 async def _on_disconnect(request: Request, cancel: Callable[[], Any]) -> None:

@@ -86,6 +86,13 @@ class ServeMetrics:
                 self.prompt_cached_tokens.inc(completions[0].num_cached_tokens)
             self.generation_tokens.inc(sum(c.num_generated_tokens for c in completions))
 
+    def count_usage(self, usage_body: dict[str, Any]) -> None:
+        """Count one served request from its OpenAI ``usage`` body (answers that took several engine
+        calls, such as a tool call decoded under its schema, report their totals there)."""
+        self.prompt_tokens.inc(usage_body["prompt_tokens"])
+        self.prompt_cached_tokens.inc(usage_body["prompt_tokens_details"]["cached_tokens"])
+        self.generation_tokens.inc(usage_body["completion_tokens"])
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

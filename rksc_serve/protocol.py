@@ -3,10 +3,14 @@ into the engine's ``SamplingParams``.
 
 Promises:
     * A body that is not a JSON object, a field of the wrong type or out of range, a field this
-      server does not support with a value that would change the answer (``tools``,
-      ``response_format`` other than text, non-zero penalties, ``logit_bias``, ``echo``, ``best_of``)
-      raises ``pydantic.ValidationError`` or ``InvalidRequest``; both name the field, and the app
-      turns them into HTTP 400 with OpenAI's error JSON.
+      server does not support with a value that would change the answer (the deprecated
+      ``functions``, non-zero penalties, ``logit_bias``, ``echo``, ``best_of``), a tool or
+      ``response_format`` schema using a feature constrained decoding cannot enforce
+      (``rksc_engine.tools.check_schema``) raises ``pydantic.ValidationError`` or ``InvalidRequest``;
+      both name the field, and the app turns them into HTTP 400 with OpenAI's error JSON.
+    * ``tools``/``tool_choice`` and ``response_format`` become a ``ChatPlan``: the ``ToolRequest``
+      and JSON schema that ``rksc_engine.tools`` decodes under, exactly as the LangChain and
+      LlamaIndex adapters do.
     * Types are strict (``"n": "2"`` and ``"stream": 1`` are refused, not coerced); unknown fields
       that do not change the answer (``user``, ``metadata``, ``store``, ...) are ignored.
     * Bounds that depend on the server's settings (``--max-tokens-limit``, ``--max-n``) come in as
@@ -17,6 +21,7 @@ Promises:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rksc_engine import SamplingParams
 from rksc_engine.config import MAX_SEED
+from rksc_engine.tools import SchemaNotSupported, ToolRequest, check_schema
 
 # OpenAI's default number of tokens of a legacy completion when the request names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -183,6 +189,35 @@ class _GenerationRequest(BaseModel):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+    """A JSON string, as OpenAI sends it (an object is accepted too)."""
+
+
+class HistoryToolCall(BaseModel):
+    """A call an earlier assistant turn made, as an agent loop sends it back."""
+
+    model_config = _STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def to_engine(self) -> dict[str, Any]:
+        # Templates that render calls expect the arguments as an object; a JSON string is decoded.
+        arguments: Any = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except json.JSONDecodeError:
+                decoded = None
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
@@ -190,6 +225,11 @@ class ChatMessage(BaseModel):
     """OpenAI's roles; ``developer`` is rendered as ``system``."""
     content: Any = Field(None, validate_default=True)
     """A string, or a list of ``{"type": "text", "text": ...}`` parts (joined); None is empty."""
+    tool_calls: list[HistoryToolCall] | None = None
+    """An assistant turn's calls; rendered by a template that takes tools, else as ``<tool_call>`` blocks."""
+    tool_call_id: str | None = None
+    """A ``tool`` message's answer to that call."""
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -209,8 +249,81 @@ class ChatMessage(BaseModel):
             return "".join(texts)
         raise ValueError(f"must be a string or a list of text parts, got {type(value).__name__}")
 
-    def to_engine(self) -> dict[str, str]:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def to_engine(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_engine() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (an object schema); calls are decoded under it."""
+    strict: bool | None = None
+    """Accepted: calls always follow the schema here."""
+
+    def spec(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "description": self.description or ""}
+        if self.parameters is not None:
+            out["parameters"] = self.parameters
+        return out
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The answer's JSON schema; without one the answer is a JSON object whose keys the model chooses."""
+    strict: bool | None = None
+    """Accepted: the answer always follows the schema here."""
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request asks beyond free text, in ``rksc_engine.tools``' terms.
+
+    Attributes:
+        tools: The tools offered and whether a call is forced; None when none are offered (none
+            given, or ``tool_choice`` is ``"none"``).
+        json_answer: The answer must be JSON (``response_format`` ``json_object`` or ``json_schema``).
+        schema: The JSON answer's schema; None is a JSON object whose keys the model chooses.
+    """
+
+    tools: ToolRequest | None = None
+    json_answer: bool = False
+    schema: dict[str, Any] | None = None
+
+    @property
+    def free_text(self) -> bool:
+        """Plain generation: no tools offered, no JSON asked for."""
+        return self.tools is None and not self.json_answer
+
+    @property
+    def constrained_from_start(self) -> bool:
+        """A forced call or a JSON answer: decoded under its schema from the first token."""
+        return self.json_answer or (self.tools is not None and self.tools.forced)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -224,39 +337,72 @@ class ChatCompletionRequest(_GenerationRequest):
     """Return each generated token's log-probability."""
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``, also the k most likely tokens at each position."""
-    tools: Any = None
+    tools: list[ToolDefinition] | None = None
+    """Functions the model may call; each call is decoded under its ``parameters`` schema."""
     tool_choice: Any = None
+    """``"auto"`` (default), ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool | None = None
+    """Accepted; a turn holds the calls the model makes, one when it is decoded under the schema."""
     functions: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
+    """``text``, ``json_object`` or ``json_schema``: the JSON answers are decoded under the schema."""
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: Any) -> Any:
+    def _no_functions(cls, value: Any) -> Any:
         if value:
-            raise ValueError("tool calling is not supported by this server yet")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_none(cls, value: Any) -> Any:
-        if value not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported by this server yet")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: Any) -> Any:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError("only {'type': 'text'} is supported by this server yet")
+            raise ValueError("the deprecated functions field is not supported; send tools instead")
         return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def check(self) -> None:
+    def check(self) -> ChatPlan:
+        """Checks across fields; returns the request's ``ChatPlan``."""
         self.check_stream_options()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.tool_calls and message.role != "assistant":
+                raise InvalidRequest(f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                     f"messages[{i}].tool_calls")
+        tools = self._tool_request()
+        json_answer, schema = self._response_format()
+        if json_answer and tools is not None and not tools.forced:
+            raise InvalidRequest("response_format: a JSON answer with tools offered needs tool_choice 'none', "
+                                 "'required' or a named function (a turn is either a call or the JSON answer)",
+                                 "response_format")
+        if self.logprobs and (tools is not None or json_answer):
+            raise InvalidRequest("logprobs is not supported with tools or a JSON response_format: those answers "
+                                 "are decoded in several constrained engine calls", "logprobs")
+        return ChatPlan(tools, json_answer, schema)
+
+    def _tool_request(self) -> ToolRequest | None:
+        specs: dict[str, dict[str, Any]] = {}
+        for i, tool in enumerate(self.tools or ()):
+            function = tool.function
+            if function.name in specs:
+                raise InvalidRequest(f"tools[{i}].function.name: {function.name!r} is offered twice",
+                                     f"tools[{i}].function.name")
+            if function.parameters is not None:
+                _check_schema(function.parameters, f"tools[{i}].function.parameters", object_only=True)
+            specs[function.name] = function.spec()
+        choice = _tool_choice(self.tool_choice, list(specs))
+        return ToolRequest.build(list(specs.values()), choice) if specs else None
+
+    def _response_format(self) -> tuple[bool, dict[str, Any] | None]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return False, None
+        if fmt.type == "json_object":
+            return True, None
+        if fmt.json_schema is None:
+            raise InvalidRequest("response_format.json_schema is required when response_format.type is "
+                                 "'json_schema'", "response_format.json_schema")
+        schema = fmt.json_schema.schema_
+        if schema is not None:
+            _check_schema(schema, "response_format.json_schema.schema")
+        return True, schema
 
     @property
     def wants_logprobs(self) -> bool:
@@ -330,6 +476,37 @@ class CompletionRequest(_GenerationRequest):
     @property
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
+
+
+def _tool_choice(choice: Any, names: list[str]) -> Any:
+    """``tool_choice`` checked against the tools offered, in the form ``ToolRequest.build`` takes."""
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    if choice == "required":
+        name = None
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        name = choice["function"]["name"]
+    else:
+        raise InvalidRequest(f"tool_choice must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+                             f"{{'name': ...}}}}, got {json.dumps(choice)[:80]}", "tool_choice")
+    if not names:
+        raise InvalidRequest(f"tool_choice {json.dumps(choice)[:80]} needs tools", "tool_choice")
+    if name is not None and name not in names:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
+    return choice
+
+
+def _check_schema(schema: dict[str, Any], param: str, object_only: bool = False) -> None:
+    """``InvalidRequest`` naming the schema's field where ``check_schema`` finds what decoding cannot enforce."""
+    if object_only and schema.get("type", "object") != "object":
+        raise InvalidRequest(f"{param}.type: a function's parameters must be an object schema, got "
+                             f"{schema.get('type')!r}", f"{param}.type")
+    try:
+        check_schema(schema)
+    except SchemaNotSupported as error:
+        where = error_param((param, *error.loc))
+        raise InvalidRequest(f"{where}: {error}", where) from None
 
 
 def _is_token_id(value: Any) -> bool:

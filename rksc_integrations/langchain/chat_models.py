@@ -170,12 +170,9 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         tokenizer = self.engine.tokenizer
         # Calls in the history stay structured; rksc_engine.tools renders them for the template.
         engine_messages, template_kwargs = tool_protocol.offer_tools(
-            to_engine_messages(messages, native_tools=True), tools, tokenizer
+            to_engine_messages(messages, native_tools=True), tools, tokenizer,
+            json_answer=response_format is not None, schema=(response_format or {}).get("schema"),
         )
-        if response_format is not None:
-            engine_messages = tool_protocol.add_system_text(
-                engine_messages, tool_protocol.json_instruction(response_format.get("schema"))
-            )
         if getattr(tokenizer, "chat_template", None):
             prompt_ids = self.engine.encode_chat(engine_messages, **template_kwargs)
         else:  # a base model: a plain transcript ending where the assistant speaks
@@ -373,15 +370,10 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     def _constrained(self, request: _Request, seed: int | None) -> tuple[AIMessage, Completion]:
         """A forced tool call or a JSON answer, decoded under the bound schemas from the first token,
         and the completion whose prompt accounting it reports."""
-        params = tool_protocol.value_params(request.params, seed)
-        result: ConstrainedResult
-        if request.tools is not None and request.tools.forced:
-            result = tool_protocol.decode_tool_call(self.engine, request.prompt_ids, params, request.tools)
-            content = tool_protocol.tool_turn_content(result.text, self.engine.tokenizer)
-        else:
-            schema = (request.response_format or {}).get("schema")
-            result = tool_protocol.decode_json(self.engine, request.prompt_ids, params, schema)
-            content = result.text
+        result, content = tool_protocol.decode_constrained(
+            self.engine, request.prompt_ids, tool_protocol.value_params(request.params, seed), request.tools,
+            (request.response_format or {}).get("schema"),
+        )
         return self._constrained_message(result, content), result.completion
 
     def _constrained_message(self, result: ConstrainedResult, content: str) -> AIMessage:

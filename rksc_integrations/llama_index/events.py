@@ -131,10 +131,11 @@ class RKSCVerificationEvent(BaseEvent):
 
 
 class RKSCASKSReuseEvent(BaseEvent):
-    """ASKS: a prompt that realigned with a cached sequence after a differing span, and whether the
-    cached KV of the remainder was reused (approximate) or recomputed.
+    """ASKS: a prompt that realigned with a cached sequence after a differing span, or whose retrieved
+    chunks were found cached, and whether that KV was reused (approximate) or recomputed.
 
-    Built from ``Completion.asks`` (``rksc_engine.types.ASKSDecision``).
+    Built from ``Completion.asks``: an ``ASKSDecision`` or a ``ChunkReuseDecision``
+    (``rksc_engine.types``); ``detail["kind"]`` says which (``"realign"`` or ``"chunks"``).
 
     Attributes:
         reused: Whether the cached remainder's KV was reused.

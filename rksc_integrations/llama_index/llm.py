@@ -61,6 +61,7 @@ from llama_index.core.types import PydanticProgramMode
 from rksc_engine import Completion, RKSCEngine, SamplingParams
 from rksc_engine import tools as tool_protocol
 from rksc_engine.cgee import CGEEConfig
+from rksc_engine.config import ASKSConfig, EngineConfig
 from rksc_engine.tools import ConstrainedResult, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
@@ -161,6 +162,13 @@ class RKSCLLM(FunctionCallingLLM):
         "None advertises it only when the chat template takes tools.",
     )
 
+    reuse_retrieved_context: bool = Field(
+        default=False,
+        description="Reuse each retrieved chunk's KV wherever it appears in a later prompt (approximate; see "
+        "ASKSConfig.reuse_chunks): query-engine context is set off by blank lines so each node is a chunk of its "
+        "own. Needs an engine built with ASKSConfig(reuse_chunks=True); with none given, one is built.",
+    )
+
     _engine: RKSCEngine = PrivateAttr()
     _verifier: Any = PrivateAttr(default=None)
 
@@ -174,6 +182,11 @@ class RKSCLLM(FunctionCallingLLM):
         if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
         # Like LangChain's ChatRKSC: one engine (and prefix cache) per model in the process.
+        if self.reuse_retrieved_context and engine is None:
+            engine = shared_engine(model, config=EngineConfig(asks=ASKSConfig.for_retrieved_context()))
+        if self.reuse_retrieved_context and not engine.config.asks.reuse_chunks:
+            raise ValueError("reuse_retrieved_context=True needs an engine built with "
+                             "EngineConfig(asks=ASKSConfig.for_retrieved_context()) (asks.reuse_chunks is off)")
         self._engine = engine if engine is not None else shared_engine(model)
         self._verifier = make_verifier(self._engine, self.verifier)
 
@@ -205,6 +218,22 @@ class RKSCLLM(FunctionCallingLLM):
         )
 
     # -- prompt formatting ----------------------------------------------------------------------
+    def _retrieved_context(self, prompt_args: dict[str, Any]) -> dict[str, Any]:
+        # Response synthesizers join the retrieved nodes with a blank line, but their templates put the
+        # context between dashed lines, which would glue the first node to the header and the last to
+        # the question; blank lines around it make every node a chunk of its own.
+        context = prompt_args.get("context_str")
+        if not (self.reuse_retrieved_context and isinstance(context, str)):
+            return prompt_args
+        separator = self._engine.config.asks.chunk_separator
+        return {**prompt_args, "context_str": f"{separator}{context.strip()}{separator}"}
+
+    def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
+        return super()._get_prompt(prompt, **self._retrieved_context(prompt_args))
+
+    def _get_messages(self, prompt: Any, **prompt_args: Any) -> list[ChatMessage]:
+        return super()._get_messages(prompt, **self._retrieved_context(prompt_args))
+
     def _has_chat_template(self) -> bool:
         return bool(getattr(self._engine.tokenizer, "chat_template", None))
 
@@ -226,10 +255,9 @@ class RKSCLLM(FunctionCallingLLM):
     ) -> _Prompt:
         request = ToolRequest.build([_tool_schema(t) for t in tools or ()], "any" if tool_required else tool_choice)
         engine_messages, template_kwargs = tool_protocol.offer_tools(
-            to_engine_messages(messages, self.system_prompt), request, self._engine.tokenizer
+            to_engine_messages(messages, self.system_prompt), request, self._engine.tokenizer,
+            json_answer=output_schema is not None, schema=output_schema,
         )
-        if output_schema is not None:
-            engine_messages = tool_protocol.add_system_text(engine_messages, tool_protocol.json_instruction(output_schema))
         if self.messages_to_prompt is not generic_messages_to_prompt:
             # A user-supplied formatter wins; it sees LlamaIndex messages, as it expects.
             prompt: EnginePrompt = self.messages_to_prompt(_llama_messages(engine_messages))
@@ -331,15 +359,12 @@ class RKSCLLM(FunctionCallingLLM):
     def _constrained(self, prompt: _Prompt, params: SamplingParams) -> _Piece:
         """A JSON answer or a forced tool call, decoded under its schema by ``rksc_engine.tools``
         from the first token."""
-        value_params = tool_protocol.value_params(params, params.seed)
-        prompt_ids = self._engine.encode(prompt.prompt)
-        result: ConstrainedResult
-        if prompt.output_schema is not None:
-            result = tool_protocol.decode_json(self._engine, prompt_ids, value_params, prompt.output_schema)
-            text = result.text
-        else:
-            result = tool_protocol.decode_tool_call(self._engine, prompt_ids, value_params, prompt.tools)
-            text = tool_protocol.tool_turn_content(result.text, self._engine.tokenizer)
+        # An output schema wins over tools (a structured answer is asked for); else the forced call.
+        tools = None if prompt.output_schema is not None else prompt.tools
+        result, text = tool_protocol.decode_constrained(
+            self._engine, self._engine.encode(prompt.prompt), tool_protocol.value_params(params, params.seed),
+            tools, prompt.output_schema,
+        )
         return self._constrained_piece(result, text, delta=text)
 
     def _constrained_piece(self, result: ConstrainedResult, text: str, delta: str) -> _Piece:

@@ -178,8 +178,30 @@ BAD_CHAT = [
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}]},
+     "tools[0].function.parameters.properties.code.pattern"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters.type"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
+    ({"messages": MESSAGES, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True}, "logprobs"),
+    ({"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                       "function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}}},
+     "response_format.json_schema.schema.anyOf"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format"),
     ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),  # longer than the context window
 ]

@@ -219,3 +219,45 @@ def test_json_answers_resolve_references_and_json_mode_chooses_its_own_keys(tiny
 def test_the_tools_module_imports_neither_langchain_nor_llama_index():
     code = "import sys, rksc_engine.tools; sys.exit(any(m.split('.')[0] in ('langchain_core', 'llama_index') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- what the decoder honours ---------------------------------------------------------------------
+@pytest.mark.parametrize("schema, loc", [
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^a$"}}}, ("properties", "code", "pattern")),
+    ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, ("anyOf",)),
+    ({"type": ["string", "integer"]}, ("type",)),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, ("minItems",)),
+    ({"type": "object", "properties": {}, "required": ["x"]}, ("required",)),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, ("additionalProperties",)),
+    ({"$ref": "#/$defs/Node", "$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}}},
+     ("$defs", "Node", "properties", "next", "$ref")),
+    ({"$ref": "https://example.com/schema.json"}, ("$ref",)),
+])
+def test_a_schema_the_decoder_cannot_honour_is_refused_at_its_location(schema, loc):
+    with pytest.raises(T.SchemaNotSupported) as raised:
+        T.check_schema(schema)
+    assert raised.value.loc == loc
+
+
+def test_every_schema_check_schema_accepts_here_is_decoded_into_a_valid_value(tiny_engine):
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = [
+        PICK["parameters"],
+        {"type": "object", "title": "Pydantic-style", "additionalProperties": False,
+         "properties": {"item": {"$ref": "#/$defs/Item"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                                                    "default": None},
+                        "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+         "required": ["item", "score"],
+         "$defs": {"Item": {"type": "object", "properties": {"count": {"type": "integer", "minimum": 3}},
+                            "required": ["count"]}}},
+        {"type": "array", "items": {"type": ["boolean", "null"]}, "minItems": 1},
+        # Bounds no 12-token number can meet unclamped: the coerced values must sit strictly inside.
+        {"type": "object", "required": ["above", "below", "count"], "properties": {
+            "above": {"type": "number", "exclusiveMinimum": 1e15},
+            "below": {"type": "number", "exclusiveMaximum": -1e15},
+            "count": {"type": "integer", "exclusiveMinimum": 1e15}}},
+    ]
+    for schema in schemas:
+        T.check_schema(schema)
+        result = T.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY, schema)
+        jsonschema.validate(json.loads(result.text), schema)

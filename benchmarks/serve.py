@@ -1,0 +1,343 @@
+"""``rksc serve`` over HTTP against the engine in-process, and against ``transformers serve``.
+
+Every arm answers the same workload: ``--clients`` concurrent clients, each sending ``--requests``
+chat requests one after another (distinct questions), greedy, ``--max-tokens`` each:
+
+    in-process          ``engine.submit`` from asyncio tasks in this process: the baseline, no HTTP.
+    rksc serve          the ``rksc serve`` command as a subprocess on a free loopback port.
+    transformers serve  ``transformers serve <model dir>`` as a subprocess on a free loopback port,
+                        offline (``HF_HUB_OFFLINE=1``), same device and dtype. When it cannot run, the
+                        table says exactly why and the other arms still report.
+    Ray replicas        ``--ray-replicas N``: ``rksc serve`` behind Ray Serve replicas
+                        (``rksc_serve.cluster``); reported as not run until that arm is wired in.
+
+An arm's figure is generated tokens (the server's ``usage.completion_tokens``) per wall second of the
+whole workload, after one warm-up request outside the timing. ``vs in-process`` is that figure over
+the in-process arm's (the HTTP overhead, for ``rksc serve``); the ``rksc serve`` over
+``transformers serve`` ratio is printed under the table. ``same answers`` counts the answers equal
+to the in-process arm's greedy text: ``rksc serve`` must match all of them.
+
+    python benchmarks/serve.py --quick                    # smoke run: 2 clients x 2 requests, 8 tokens
+    python benchmarks/serve.py --out docs/bench/serve.md  # 8 clients x 4 requests, 64 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine.loading import ensure_default_model, resolve_device, resolve_dtype
+
+STARTUP_TIMEOUT_S = 300.0
+QUICK = {"clients": 2, "requests": 2, "max_tokens": 8}
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[Messages]  # request i is sent by client i % clients
+    clients: int
+    max_tokens: int
+
+    def per_client(self, client: int) -> list[tuple[int, Messages]]:
+        return [(i, p) for i, p in enumerate(self.prompts) if i % self.clients == client]
+
+
+@dataclass
+class Arm:
+    """One arm's outcome: its answers and timing, or why it did not run."""
+
+    name: str
+    answers: list[str] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    not_run: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ServerFailed(RuntimeError):
+    """A server subprocess that exited or never became healthy; the message says why."""
+
+
+def workload(clients: int, requests: int, max_tokens: int) -> Workload:
+    prompts = [[{"role": "user", "content": f"Question {i}: what is {3 + i} plus {7 * i + 2}? Explain briefly."}]
+               for i in range(clients * requests)]
+    return Workload(prompts, clients, max_tokens)
+
+
+# -- clients ------------------------------------------------------------------------------------
+async def _drive(work: Workload, ask: Callable[[Messages], Any], name: str) -> Arm:
+    """Run the workload with ``ask(messages) -> (text, generated tokens)``; the clock covers it all."""
+    arm = Arm(name, answers=[""] * len(work.prompts))
+    await ask(work.prompts[0])  # warm-up, outside the timing
+    bar = tqdm(total=len(work.prompts), desc=name, file=sys.stderr, leave=False)
+
+    async def client(k: int) -> int:
+        tokens = 0
+        for i, messages in work.per_client(k):
+            arm.answers[i], generated = await ask(messages)
+            tokens += generated
+            bar.update(1)
+        return tokens
+
+    start = time.perf_counter()
+    arm.tokens = sum(await asyncio.gather(*(client(k) for k in range(work.clients))))
+    arm.seconds = time.perf_counter() - start
+    bar.close()
+    return arm
+
+
+def in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
+    params = SamplingParams(max_new_tokens=work.max_tokens, temperature=0.0)
+
+    async def ask(messages: Messages) -> tuple[str, int]:
+        [completion] = await engine.submit(messages, 1, params)
+        return completion.text, completion.num_generated_tokens
+
+    return asyncio.run(_drive(work, ask, "in-process"))
+
+
+def http_arm(base_url: str, model: str, work: Workload, name: str, count_tokens: Callable[[str], int]) -> Arm:
+    """The workload over HTTP, one ``httpx`` connection pool shared by the clients."""
+
+    async def run() -> Arm:
+        limits = httpx.Limits(max_connections=work.clients + 1, max_keepalive_connections=work.clients + 1)
+        async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+            async def ask(messages: Messages) -> tuple[str, int]:
+                response = await http.post("/v1/chat/completions", json={
+                    "model": model, "messages": messages, "max_tokens": work.max_tokens, "temperature": 0})
+                if response.status_code != 200:
+                    raise ServerFailed(f"HTTP {response.status_code}: {response.text[:300]}")
+                body = response.json()
+                text = body["choices"][0]["message"]["content"] or ""
+                generated = (body.get("usage") or {}).get("completion_tokens")
+                return text, generated if isinstance(generated, int) else count_tokens(text)
+
+            return await _drive(work, ask, name)
+
+    return asyncio.run(run())
+
+
+# -- servers ------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A loopback port free now (bound and released; the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def offline_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_UPDATE_CHECK="1", DO_NOT_TRACK="1")
+    return env
+
+
+@contextlib.contextmanager
+def server_process(command: Sequence[str], health_path: str, timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
+    """Run ``command`` (which must take ``--host`` and ``--port``) on a free loopback port until it
+    answers ``health_path``; yields its base URL and stops it afterwards, whatever happened."""
+    port = free_port()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=log,
+                                   stderr=subprocess.STDOUT, env=offline_env())
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url + health_path, process, log, timeout_s)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerFailed(f"exited with status {process.returncode} before serving: {_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise ServerFailed(f"did not answer {url} within {timeout_s:.0f} s: {_tail(log)}")
+
+
+def _tail(log: Any, lines: int = 6) -> str:
+    log.flush()
+    log.seek(0)
+    text = [line.strip() for line in log.read().splitlines() if line.strip()]
+    return " | ".join(text[-lines:]) or "(no output)"
+
+
+def rksc_serve_arm(args: argparse.Namespace, work: Workload, count_tokens: Callable[[str], int]) -> Arm:
+    command = [sys.executable, "-m", "rksc_cli", "serve", "--device", args.device, "--dtype", args.dtype_name,
+               "--log-level", "warning", *(["--model", str(args.model)] if args.model else [])]
+    try:
+        with server_process(command, "/health") as url:
+            return http_arm(url, "rksc", work, "rksc serve", count_tokens)
+    except (ServerFailed, httpx.HTTPError) as error:
+        return Arm("rksc serve", not_run=f"not run: rksc serve {type(error).__name__}: {error}")
+
+
+def transformers_command(args: argparse.Namespace, model_dir: Path) -> list[str] | str:
+    """The ``transformers serve`` command line, or why there is none."""
+    script = Path(sys.executable).parent / "transformers"
+    if not script.exists():
+        return f"the transformers CLI is not installed next to {sys.executable}"
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return f"transformers {transformers.__version__} has no `transformers serve` (it came with 5.x)"
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"`transformers serve` needs {missing} (pip install 'transformers[serving]')"
+    device = "cpu" if args.device_obj.type == "cpu" else str(args.device_obj)
+    command = [str(script), "serve", str(model_dir), "--device", device, "--dtype", args.dtype_name,
+               "--log-level", "warning"]
+    if args.transformers_continuous_batching:
+        command.append("--continuous-batching")
+    return command
+
+
+def transformers_serve_arm(args: argparse.Namespace, work: Workload, model_dir: Path,
+                           count_tokens: Callable[[str], int]) -> Arm:
+    name = "transformers serve"
+    command = transformers_command(args, model_dir)
+    if isinstance(command, str):
+        return Arm(name, not_run=f"not run: {command}")
+    try:
+        with server_process(command, "/health") as url:
+            return http_arm(url, str(model_dir), work, name, count_tokens)
+    except (ServerFailed, httpx.HTTPError) as error:
+        return Arm(name, not_run=f"not run: transformers serve {type(error).__name__}: {error}")
+
+
+def ray_replicas_arm(args: argparse.Namespace, work: Workload) -> Arm | None:
+    """Arm (c), ``--ray-replicas N``: the workload against ``rksc serve`` behind N Ray Serve replicas.
+
+    This is the hook the cluster work fills in (``rksc_serve.cluster``); until then it says why it
+    did not run, so the table always has the row when it was asked for.
+    """
+    if not args.ray_replicas:
+        return None
+    name = f"Ray replicas (x{args.ray_replicas})"
+    try:
+        found = importlib.util.find_spec("rksc_serve.cluster") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return Arm(name, not_run="not run: rksc_serve.cluster is not importable")
+    try:
+        import rksc_serve.cluster  # noqa: F401
+    except Exception as error:  # an optional dependency (ray) missing, most likely
+        return Arm(name, not_run=f"not run: importing rksc_serve.cluster failed: {type(error).__name__}: {error}")
+    return Arm(name, not_run="not run: the Ray replicas arm is not wired into benchmarks/serve.py yet "
+                             "(ray_replicas_arm)")
+
+
+# -- report -------------------------------------------------------------------------------------
+def markdown(arms: list[Arm], work: Workload, args: argparse.Namespace) -> str:
+    base = arms[0]
+    rows = ["| arm | requests | generated tokens | wall s | tokens/s | vs in-process | same answers |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for arm in arms:
+        if arm.not_run:
+            rows.append(f"| {arm.name} | {arm.not_run} | | | | | |")
+            continue
+        same = sum(a == b for a, b in zip(arm.answers, base.answers))
+        ratio = arm.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        rows.append(f"| {arm.name} | {len(arm.answers)} | {arm.tokens} | {arm.seconds:.2f} | "
+                    f"{arm.tokens_per_s:.1f} | {ratio:.2f}x | {same}/{len(arm.answers)} |")
+    by_name = {a.name: a for a in arms if not a.not_run}
+    rksc, hf = by_name.get("rksc serve"), by_name.get("transformers serve")
+    lines = [
+        f"Workload: {work.clients} concurrent clients x {len(work.prompts) // work.clients} requests, greedy, "
+        f"max_tokens {work.max_tokens}; model {args.model or 'the embedded default'}; device {args.device_obj}, "
+        f"{args.dtype_name}; transformers serve continuous batching "
+        f"{'on' if args.transformers_continuous_batching else 'off (its default)'}.",
+        "",
+        *rows,
+        "",
+        f"rksc serve / transformers serve (generated tokens/s): {rksc.tokens_per_s / hf.tokens_per_s:.2f}x"
+        if rksc and hf and hf.tokens_per_s else "rksc serve / transformers serve: not measured (see the table)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="local Hugging Face model directory (default: the embedded default model)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="model dtype for every arm (default: rksc's auto)")
+    parser.add_argument("--transformers-continuous-batching", action="store_true",
+                        help="run transformers serve with --continuous-batching")
+    parser.add_argument("--skip-transformers-serve", action="store_true", help="leave out arm (b)")
+    parser.add_argument("--ray-replicas", type=int, default=0,
+                        help="also run rksc serve behind this many Ray Serve replicas (rksc_serve.cluster)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 clients x 2 requests of 8 tokens")
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown here (docs/bench/serve.md)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.requests, args.max_tokens = QUICK["clients"], QUICK["requests"], QUICK["max_tokens"]
+    for name in ("clients", "requests", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    args.device_obj = resolve_device(args.device)
+    args.dtype_name = str(resolve_dtype(args.dtype, args.device_obj)).removeprefix("torch.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = workload(args.clients, args.requests, args.max_tokens)
+    model_dir = args.model or ensure_default_model()
+    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype_name, progress=False)
+
+    def count_tokens(text: str) -> int:  # for a server whose answers carry no usage
+        return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    arms = [in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
+    if args.skip_transformers_serve:
+        arms.append(Arm("transformers serve", not_run="not run: --skip-transformers-serve"))
+    else:
+        arms.append(transformers_serve_arm(args, work, model_dir, count_tokens))
+    ray = ray_replicas_arm(args, work)
+    if ray is not None:
+        arms.append(ray)
+    report = markdown(arms, work, args)
+    print(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("# rksc serve: HTTP overhead and transformers serve\n\n" + report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
