@@ -38,6 +38,7 @@ them per level on the other half, beside the library default on every question.
 
     ./dev python benchmarks/cgee.py --workload ladder --per-level 8                 # a quick look
     ./dev python benchmarks/cgee.py --workload ladder --per-level 420 --batch 32    # >= 1,600 decisions
+    ./dev python benchmarks/cgee.py --workload ladder --per-level 420 --batch 32 --resume   # continue a run
     ./dev python benchmarks/cgee.py --from-records benchmarks/results/cgee_ladder_records.json
 """
 
@@ -389,15 +390,28 @@ def run_ladder(args: argparse.Namespace, out: Path) -> tuple[dict, list[dict]]:
             "branches": args.branches, "shots": args.shots, "max_new_tokens": args.max_new_tokens,
             "batch": args.batch, "torch_threads": torch.get_num_threads(), "device": str(engine.device)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    raw, started = [], time.perf_counter()
+    raw, started, earlier_s = [], time.perf_counter(), 0.0
     indexed = list(enumerate(questions))
+    if args.resume and out.exists():
+        # Questions and seeds are fixed by index (and asking for more questions only appends), so a
+        # run can be continued across sessions: keep the saved records, run only the missing indices.
+        saved = json.loads(out.read_text())
+        settings = ("workload", "model", "format", "source", "branches", "shots", "max_new_tokens")
+        changed = [k for k in settings if saved["meta"].get(k) != meta.get(k)]
+        if changed:
+            raise SystemExit(f"--resume: {out} was recorded with other settings ({', '.join(changed)})")
+        raw, earlier_s = saved["records"], saved["meta"].get("wall_s", 0.0)
+        done = {r["index"] for r in raw}
+        indexed = [(i, q) for i, q in indexed if i not in done]
+        print(f"resuming: {len(raw)} questions recorded, {len(indexed)} to go")
     for first in tqdm(range(0, len(indexed), args.batch), desc="batches"):
         if args.time_budget_min is not None and time.perf_counter() - started > args.time_budget_min * 60:
             print(f"time budget of {args.time_budget_min} min reached after {len(raw)} questions")
             break
         raw += run_ladder_batch(engine, judge, indexed[first: first + args.batch], shots, kind, params, args.branches)
+        meta["wall_s"] = earlier_s + time.perf_counter() - started
         out.write_text(json.dumps({"meta": meta, "records": raw}))  # an interrupted run keeps its records
-    meta["wall_s"] = time.perf_counter() - started
+    meta["wall_s"] = earlier_s + time.perf_counter() - started
     out.write_text(json.dumps({"meta": meta, "records": raw}))
     print(f"wrote {len(raw)} raw records to {out}")
     return meta, raw
@@ -508,6 +522,8 @@ def main() -> None:
                         help="default benchmarks/results/cgee_records.json (ladder: cgee_ladder_records.json)")
     parser.add_argument("--json-out", default=None, help="default benchmarks/results/cgee.json (ladder: cgee_ladder.json)")
     parser.add_argument("--from-records", default=None, help="calibrate from saved records; generate nothing")
+    parser.add_argument("--resume", action="store_true",
+                        help="ladder: keep the records already in --records-out and run only the missing questions")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads; 1 is far faster on a CPU shared with other jobs")
     args = parser.parse_args()

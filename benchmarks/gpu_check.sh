@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh            # results under $OUT (or ./gpu_out)
 # It installs the CUDA build of torch that the machine's pip picks, the package itself, runs the
 # exactness and scheduler tests on CUDA, then the throughput benchmark's callers arm (target there:
-# at least 5x over the same requests one at a time).
+# at least 5x over the same requests one at a time), and a short retrieved-context reuse comparison.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -23,3 +23,7 @@ timeout 300 python -m pytest -q -x tests/integration/test_scheduler_default_mode
   2>&1 | tail -30 | tee "$OUT/tests.txt"
 timeout 240 python benchmarks/throughput.py --repeats 2 --arms callers,kv --json-out "$OUT/throughput.json" \
   2>&1 | tail -20 | tee "$OUT/throughput.txt"
+# Retrieved-context reuse on the GPU: prompt tokens, time to first token and answer agreement with
+# full recompute, side by side (bf16 there; the CPU figures are fp32).
+timeout 120 python benchmarks/rag_reuse.py --queries 16 --corpus 16 --fractions 0,0.15 --gates "" \
+  --out "$OUT/rag_reuse.md" 2>&1 | tail -14 | tee "$OUT/rag_reuse.txt"

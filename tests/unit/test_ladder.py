@@ -325,3 +325,30 @@ def test_the_ladder_report_tabulates_every_level_and_prints(bench, capsys):
     bench.print_ladder(report, meta)
     out = capsys.readouterr().out
     assert "| level | questions |" in out and "Chosen on the calibration half" in out
+
+
+def test_a_ladder_run_resumes_where_its_records_end_and_refuses_other_settings(bench, tmp_path):
+    import argparse
+    import json
+
+    model_dir = tmp_path / "tiny"
+    make_tiny_model(max_positions=2048).save_pretrained(model_dir)
+    make_char_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "records.json"
+    args = argparse.Namespace(model=str(model_dir), data=None, levels="1,2", per_level=2, shots=1, seed=0,
+                              record_lens=False, max_new_tokens=6, batch=2, branches=2, time_budget_min=None,
+                              resume=False)
+    _, full = bench.run_ladder(args, out)
+    assert [r["index"] for r in full] == [0, 1, 2, 3]
+    saved = json.loads(out.read_text())
+    out.write_text(json.dumps({"meta": saved["meta"], "records": saved["records"][:2]}))  # as if interrupted
+    args.resume = True
+    _, resumed = bench.run_ladder(args, out)
+    assert [r["index"] for r in resumed] == [0, 1, 2, 3]
+    # Seeded by index: the missing questions draw the branches they drew before (texts; the confidences
+    # may differ in the last float bits, as the first run had the shots cached and this one computes them).
+    texts = [[b["text"] for b in r["branches"]] for r in resumed]
+    assert texts == [[b["text"] for b in r["branches"]] for r in full], "the missing questions ran as before"
+    args.branches = 3
+    with pytest.raises(SystemExit, match="branches"):
+        bench.run_ladder(args, out)
