@@ -440,24 +440,62 @@ def _level_rows(raw: list[dict], config: CGEEConfig) -> list[dict]:
     return rows
 
 
-def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candidate: CGEEConfig | None = None) -> dict:
-    """Per-level tables (library default on every question; thresholds chosen on one half by
-    ``calibrate_split``, on the other half; ``candidate`` on every question) and the split's result."""
-    split = calibrate_split([QuestionOutcome.from_dict(r) for r in raw], seed=seed, rule=rule)
+CONFIDENCE_BINS = (0.0, 0.3, 0.45, 0.6, 0.8, 1.01)
+
+
+def confidence_bins(raw: list[dict], edges: Sequence[float] = CONFIDENCE_BINS) -> list[dict]:
+    """How the vote's confidence ``p`` tracks right answers: per bin of ``p`` (``edges[i] <= p <
+    edges[i + 1]``) over questions with an answer, the count, the levels present and the accuracy of
+    the vote and of always verifying. A level-1 rule can only help where high ``p`` means right."""
+    rows = []
+    answered = [r for r in raw if r["shares"]]
+    for low, high in zip(edges, edges[1:]):
+        group = [r for r in answered if low <= r["p"] < high]
+        n = len(group)
+        vote = sum(str(r["shares"][0][0]) == str(r["gold"]) for r in group)
+        full = sum(str(r["full_answer"]) == str(r["gold"]) for r in group)
+        levels = {level: sum(r["level"] == level for r in group) for level in sorted({r["level"] for r in answered})}
+        rows.append({"low": low, "high": min(high, 1.0), "questions": n, "by_level": levels,
+                     "vote_correct": vote, "full_correct": full, "vote_accuracy_wilson": wilson_interval(vote, n)})
+    return rows
+
+
+def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candidate: CGEEConfig | None = None,
+                  target_error: float = 0.01) -> dict:
+    """Per-level tables (library default on every question; thresholds chosen on one half, by
+    ``calibrate_split``'s accuracy rule and by ``calibrate``'s decision-error rule at
+    ``target_error``, on the other half; ``candidate`` on every question) and the split's result."""
+    outcomes = [QuestionOutcome.from_dict(r) for r in raw]
+    split = calibrate_split(outcomes, seed=seed, rule=rule)
     held = [raw[i] for i in split.held_out_indices]
+    # The accuracy rule cannot tell thresholds apart when the judge never changes a right answer into a
+    # wrong one or back; agreeing with always verifying is the stricter rule that still holds for a
+    # judge that does, so both choices are reported.
+    verified = [(outcomes[i].summary, outcomes[i].full_answer) for i in split.calibration_indices
+                if outcomes[i].summary.winner is not None]
+    agreement = calibrate(verified, target_error).config if verified else CGEEConfig(skip_enabled=False)
+    held_outcomes = [outcomes[i] for i in split.held_out_indices]
     tables = {"library default CGEEConfig(), all questions": _level_rows(raw, CGEEConfig()),
-              "chosen on the calibration half, held-out half": _level_rows(held, split.config)}
+              "chosen on the calibration half by accuracy, held-out half": _level_rows(held, split.config),
+              f"chosen on the calibration half by decision error <= {target_error:.0%} (Wilson 95% upper bound), "
+              f"held-out half (tau={agreement.tau_conf} margin={agreement.margin} skip={agreement.skip_enabled})":
+                  _level_rows(held, agreement)}
     if candidate is not None:
         tables[f"candidate tau={candidate.tau_conf} margin={candidate.margin}, all questions"] = _level_rows(raw, candidate)
     generate_s, verify_s = sum(r["generate_s"] for r in raw), sum(r.get("verify_s", 0.0) for r in raw)
     return {"rule": rule, "seed": seed, "tables": tables,
             "chosen": {"tau_conf": split.config.tau_conf, "margin": split.config.margin,
                        "skip_enabled": split.config.skip_enabled},
+            "chosen_by_decision_error": {"tau_conf": agreement.tau_conf, "margin": agreement.margin,
+                                         "skip_enabled": agreement.skip_enabled, "target_error": target_error,
+                                         "keeps_accuracy_held_out":
+                                             summarise_outcomes(held_outcomes, agreement).keeps_accuracy(rule)},
             "calibration_half": _row("calibration half", split.calibration, 0.0),
             "keeps_accuracy_held_out": split.keeps_accuracy_held_out,
             "verifier_decisions": sum(bool(r["shares"]) for r in raw),
             "generate_s": generate_s, "verify_s": verify_s,
-            "verify_share": verify_s / (generate_s + verify_s) if generate_s + verify_s > 0 else 0.0}
+            "verify_share": verify_s / (generate_s + verify_s) if generate_s + verify_s > 0 else 0.0,
+            "confidence_bins": confidence_bins(raw)}
 
 
 def print_ladder(report: dict, meta: dict) -> None:
@@ -478,11 +516,25 @@ def print_ladder(report: dict, meta: dict) -> None:
                   f"| {r['num_decision_errors']}/{r['num_decisions']} = {r['decision_error_rate']:.1%} "
                   f"[{e_low:.1%}, {e_high:.1%}] | {r['num_lost']} / {r['num_gained']} | {r['verify_s_saved']:.2f}s ({r['verify_saved_fraction']:.0%}) "
                   f"| {r['end_to_end_ratio']:.3f}x |")
+    print("\nThe vote's confidence p against right answers (questions with an answer):\n")
+    print("| p | questions | by level | vote acc [Wilson 95%] | always-verify acc |")
+    print("|---|---:|---|---:|---:|")
+    for b in report.get("confidence_bins", []):
+        n = b["questions"]
+        levels = ", ".join(f"L{k}: {v}" for k, v in b["by_level"].items())
+        low, high = b["vote_accuracy_wilson"]
+        vote = f"{b['vote_correct'] / n:.1%} [{low:.1%}, {high:.1%}]" if n else "-"
+        full = f"{b['full_correct'] / n:.1%}" if n else "-"
+        print(f"| [{b['low']:.2f}, {b['high']:.2f}{']' if b['high'] >= 1 else ')'} | {n} | {levels} | {vote} | {full} |")
     c, cal = report["chosen"], report["calibration_half"]
     print(f"\nChosen on the calibration half (rule '{report['rule']}', split seed {report['seed']}): "
           f"skip={c['skip_enabled']} tau_conf={c['tau_conf']} margin={c['margin']}; there it skipped "
           f"{cal['skip_rate']:.1%} at accuracy {cal['cgee_accuracy']:.1%} vs always-verify {cal['full_accuracy']:.1%}. "
           f"On the held-out half it {'kept' if report['keeps_accuracy_held_out'] else 'did NOT keep'} accuracy by that rule.")
+    d = report["chosen_by_decision_error"]
+    print(f"Chosen on the calibration half for decision error <= {d['target_error']:.0%} (Wilson 95% upper bound): "
+          f"skip={d['skip_enabled']} tau_conf={d['tau_conf']} margin={d['margin']}; on the held-out half it "
+          f"{'kept' if d['keeps_accuracy_held_out'] else 'did NOT keep'} accuracy by rule '{report['rule']}'.")
     print(f"Verification is {report['verify_share']:.1%} of the always-verify pipeline's time (generation "
           f"{report['generate_s']:.1f}s, verification {report['verify_s']:.1f}s): skipping can save at most that share.")
     everything = report["tables"]["library default CGEEConfig(), all questions"][-1]
@@ -508,7 +560,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"timed arms, from {list(ARMS)} ('full' always runs)")
     parser.add_argument("--timed-every", type=int, default=1,
                         help="run the arms other than 'full' on every k-th question only (default 1: all)")
-    parser.add_argument("--target-error", type=float, default=0.05)
+    parser.add_argument("--target-error", type=float, default=None,
+                        help="largest decision error (Wilson 95%% upper bound) a calibration may choose; default 0.05, ladder 0.01")
     parser.add_argument("--per-level", type=int, default=8, help="ladder: questions per level")
     parser.add_argument("--levels", default="1,2,3,4", help="ladder: comma-separated levels (steps), from 1 to 4")
     parser.add_argument("--batch", type=int, default=16, help="ladder: questions whose branches are submitted together")
@@ -561,14 +614,15 @@ def main() -> None:
         meta, raw = (run_ladder if workload == "ladder" else run_arms)(args, Path(args.records_out))
 
     if workload == "ladder":
-        report = ladder_report(raw, seed=args.seed, rule=args.rule, candidate=candidate)
+        report = ladder_report(raw, seed=args.seed, rule=args.rule, candidate=candidate,
+                               target_error=args.target_error if args.target_error is not None else 0.01)
         print_ladder(report, meta)
         write_json(Path(args.json_out), {"meta": meta, "ladder": report})
         return
     rows = print_arms(raw, meta)
     # Older record files lack the arm configs; they ran with the defaults of the time (see the note).
     arm_configs = {name: CGEEConfig(**c) for name, c in meta.get("arm_configs", {}).items()} or ARMS
-    report = calibration_report(raw, args.target_error, arm_configs)
+    report = calibration_report(raw, args.target_error if args.target_error is not None else 0.05, arm_configs)
     print_calibration(report)
     write_json(Path(args.json_out), {"meta": meta, "arms": rows, "calibration": report})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .paper import ARMS, BenchConfig, render_markdown, run_bench, save_report
+from .paper import ARMS, WORKLOADS, BenchConfig, render_markdown, run_bench, save_report
 
 BENCH_HELP = "measure rksc against no reuse, token-exact caching and langchain-huggingface"
 
@@ -13,9 +13,15 @@ BENCH_HELP = "measure rksc against no reuse, token-exact caching and langchain-h
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``rksc bench``'s arguments to ``parser`` and make ``run`` its handler (``args.func``)."""
     defaults = BenchConfig()
-    parser.add_argument("--workload", choices=["gsm8k", "choice"], default=defaults.workload,
-                        help="gsm8k: 8-shot chain of thought; choice: multiple-choice few-shot")
-    parser.add_argument("--data", default=None, help="JSONL of questions (default: built-in synthetic set)")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default=defaults.workload,
+                        help="gsm8k: 8-shot chain of thought; choice: multiple-choice few-shot; ladder: the "
+                             "difficulty ladder, generated word problems of 1 to 4 steps after one-step "
+                             "worked examples, --questions spread evenly over --levels")
+    parser.add_argument("--levels", default=",".join(map(str, defaults.levels)),
+                        help="ladder only: comma-separated levels (steps) from 1 to 4 to ask (default: all)")
+    parser.add_argument("--data", default=None,
+                        help="JSONL of questions (default: built-in synthetic set); not with --workload ladder, "
+                             "which is always generated: run a GSM8K JSONL with --workload gsm8k")
     parser.add_argument("--model", default=None, help="local model directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--questions", type=int, default=defaults.questions)
     parser.add_argument("--branches", type=int, default=defaults.branches)
@@ -42,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens, seed=args.seed,
             tree_depth=args.tree_depth, tree_budget_mb=args.tree_budget_mb,
             arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+            levels=_parse_levels(args.levels),
         )
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"rksc bench: {exc}") from None
@@ -50,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
     paths = save_report(report, Path(args.out), plots=not args.no_plots)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _parse_levels(text: str) -> tuple[int, ...]:
+    """``"1,3"`` -> ``(1, 3)``; ``BenchConfig`` checks the range."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"levels must be comma-separated ints from 1 to 4, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

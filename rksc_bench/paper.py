@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -38,9 +39,13 @@ from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import EngineConfig, PrefixCacheConfig, SamplingParams, _check_type
 from rksc_engine.datasets import (
     CHOICE_SYSTEM_PROMPT,
+    LADDER_LEVELS,
     SYSTEM_PROMPT,
+    LadderProblem,
     Problem,
     few_shot_messages,
+    ladder_problems,
+    ladder_shots,
     load_choice_jsonl,
     load_gsm8k_jsonl,
     solution_steps,
@@ -51,10 +56,14 @@ from rksc_engine.reasoning import BranchAnswer, extract_choice_letter, verify_an
 from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
 
 ARMS = ("no_reuse", "cgee_only", "token_exact", "asks", "rksc", "langchain_hf")
-WORKLOADS = ("gsm8k", "choice")
+WORKLOADS = ("gsm8k", "choice", "ladder")
+# The answer format of each workload: it picks the instruction wordings, the judge prompt and the
+# answer extractor. The ladder's questions are GSM8K-style word problems with ``#### n`` answers,
+# so it is asked, extracted and judged exactly as the gsm8k workload is.
+ANSWER_FORMATS = {"gsm8k": "gsm8k", "choice": "choice", "ladder": "gsm8k"}
 
-# Differently worded instructions for prompt-ensemble self-consistency, per workload; the first is
-# the engine's default system prompt, the others say the same thing another way.
+# Differently worded instructions for prompt-ensemble self-consistency, per answer format; the
+# first is the engine's default system prompt, the others say the same thing another way.
 INSTRUCTION_WORDINGS = {
     "gsm8k": (
         SYSTEM_PROMPT,
@@ -89,11 +98,20 @@ class BenchConfig:
     """One ``rksc bench`` run.
 
     Attributes:
-        workload: ``"gsm8k"`` (8-shot chain of thought, ``#### x`` answers) or ``"choice"``
-            (multiple-choice few-shot, letter answers). Default ``"gsm8k"``.
+        workload: ``"gsm8k"`` (8-shot chain of thought, ``#### x`` answers), ``"choice"``
+            (multiple-choice few-shot, letter answers) or ``"ladder"`` (the difficulty ladder:
+            generated word problems of exactly 1 to 4 steps, ``#### x`` answers, one-step worked
+            examples worded unlike the questions, so the model must transfer the method rather
+            than copy a wording). Default ``"gsm8k"``.
         data: JSONL of questions (GSM8K ``question``/``answer``; multiple-choice
             ``question``/``choices``/``answerKey``). None uses the built-in synthetic generator.
-        questions: Questions answered per arm (>= 1). Default 8.
+            The ladder is always generated (its levels are what it measures), so it takes no data:
+            run a GSM8K JSONL as ``workload="gsm8k"``.
+        questions: Questions answered per arm (>= 1). Default 8. On the ladder they are spread
+            evenly over ``levels`` (interleaved level by level, so any count is as balanced as it
+            can be).
+        levels: The ladder's levels (distinct ints from 1 to 4) to draw questions from. Default
+            all four; only the ladder workload takes other values.
         branches: Sampled branches per question (>= 1). Default 8.
         shots: Worked examples in the prompt (>= 0). Default 8, about 1,300 tokens on the default model.
         ensemble: Instruction wordings the branches are split over (1..8, must divide ``branches``);
@@ -122,10 +140,21 @@ class BenchConfig:
     model: str | None = None
     tree_depth: int = 4
     tree_budget_mb: float = 64.0
+    levels: tuple[int, ...] = LADDER_LEVELS
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
+        _check_type("levels", self.levels, (tuple, list))
+        levels = tuple(self.levels)
+        if (not levels or not all(isinstance(x, int) and not isinstance(x, bool) and x in LADDER_LEVELS for x in levels)
+                or len(set(levels)) != len(levels)):
+            raise ValueError(f"levels must be distinct ints from 1 to 4, got {list(levels)}")
+        if self.workload != "ladder" and levels != LADDER_LEVELS:
+            raise ValueError(f"levels applies to the ladder workload only, got {list(levels)} with workload {self.workload!r}")
+        if self.workload == "ladder" and self.data is not None:
+            raise ValueError("data cannot be used with the ladder workload, whose questions are generated; "
+                             "run a GSM8K JSONL with workload 'gsm8k'")
         for name, low in (("questions", 1), ("branches", 1), ("shots", 0), ("max_new_tokens", 1), ("seed", 0), ("tree_depth", 0)):
             value = getattr(self, name)
             _check_type(name, value, int)
@@ -141,6 +170,12 @@ class BenchConfig:
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown or not self.arms:
             raise ValueError(f"arms must be a non-empty subset of {list(ARMS)}, got {list(self.arms)}")
+        object.__setattr__(self, "levels", levels)  # a list becomes a tuple: the config stays hashable
+
+    @property
+    def answer_format(self) -> str:
+        """``"gsm8k"`` or ``"choice"``: how this workload's answers are asked for, extracted and judged."""
+        return ANSWER_FORMATS[self.workload]
 
 
 @dataclass
@@ -158,6 +193,7 @@ class ArmRecord:
     skipped: bool
     exit_layers: list[int] = field(default_factory=list)
     num_layers: int | None = None
+    level: int | None = None  # the question's ladder level; None outside the ladder workload
 
     @property
     def correct(self) -> bool:
@@ -215,6 +251,16 @@ class BenchReport:
             table[r.difficulty][1] += 1
         return {k: (v[0], v[1]) for k, v in sorted(table.items())}
 
+    def by_level(self, arm: str) -> dict[int, tuple[int, int, int]]:
+        """Ladder level -> (answered correctly, verifier calls skipped, questions) for ``arm``;
+        empty outside the ladder workload."""
+        table: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for r in self.arm_records(arm):
+            if r.level is not None:
+                row = table[r.level]
+                row[0], row[1], row[2] = row[0] + r.correct, row[1] + r.skipped, row[2] + 1
+        return {k: (v[0], v[1], v[2]) for k, v in sorted(table.items())}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "config": dataclasses.asdict(self.config),
@@ -237,6 +283,12 @@ def _same_answer(a: str, b: str) -> bool:
 
 def load_problems(config: BenchConfig) -> tuple[list[Problem], list[Problem]]:
     """``(few-shot examples, questions)`` for the configured workload."""
+    if config.workload == "ladder":
+        # Fixed shots (seed 1, as benchmarks/cgee.py uses) so runs with different seeds see the same
+        # prompt; the first ``questions`` of an interleaved draw take every level in turn.
+        per_level = math.ceil(config.questions / len(config.levels))
+        questions = ladder_problems(per_level, config.levels, seed=config.seed)[: config.questions]
+        return list(ladder_shots(config.shots, seed=1)), list(questions)
     total = config.shots + config.questions
     if config.workload == "gsm8k":
         problems = load_gsm8k_jsonl(config.data, limit=total) if config.data else synthetic_problems(total, seed=config.seed + 1)
@@ -247,8 +299,12 @@ def load_problems(config: BenchConfig) -> tuple[list[Problem], list[Problem]]:
     return problems[: config.shots], problems[config.shots:]
 
 
-def _messages(workload: str, question: str, shots: list[Problem], wording: int) -> list[dict]:
-    return few_shot_messages(question, shots, system_prompt=INSTRUCTION_WORDINGS[workload][wording])
+def _messages(answer_format: str, question: str, shots: list[Problem], wording: int) -> list[dict]:
+    return few_shot_messages(question, shots, system_prompt=INSTRUCTION_WORDINGS[answer_format][wording])
+
+
+def _level(problem: Problem) -> int | None:
+    return problem.level if isinstance(problem, LadderProblem) else None
 
 
 # -- arms -----------------------------------------------------------------------------------------
@@ -266,7 +322,7 @@ class _EngineArm:
         completions = []
         per_wording = config.branches // config.ensemble
         for w in range(config.ensemble):
-            messages = _messages(config.workload, problem.question, shots, w)
+            messages = _messages(config.answer_format, problem.question, shots, w)
             base = config.seed + 1000 * q + w * per_wording
             params = _params(config, base)
             if self.share_prefill:
@@ -275,13 +331,14 @@ class _EngineArm:
                 # Each branch on its own: same seed as branch i of the batch, so the same text.
                 completions += [engine.generate(messages, _params(config, base + i)) for i in range(per_wording)]
         branches = [BranchAnswer(c.text, self.extract(c.text), c.confidence) for c in completions]
-        judge = LLMJudgeVerifier(engine, system_prompt=JUDGE_PROMPTS[config.workload])
+        judge = LLMJudgeVerifier(engine, system_prompt=JUDGE_PROMPTS[config.answer_format])
         answer, report, _ = verify_and_pick(problem.question, branches, judge, self.cgee)
         wall = time.perf_counter() - start
         return ArmRecord(
             self.name, q, wall, engine.stats().prompt_tokens_computed - before, answer, problem.answer,
             solution_steps(problem), verified=bool(report.scores), skipped=report.skipped,
             exit_layers=[x for x in report.exit_layers if x is not None], num_layers=report.num_layers,
+            level=_level(problem),
         )
 
 
@@ -295,7 +352,7 @@ class _LangChainHFArm:
         from langchain_huggingface import HuggingFacePipeline
         from transformers import pipeline
 
-        self.tokenizer, self.extract, self.workload = tokenizer, extract, config.workload
+        self.tokenizer, self.extract, self.answer_format = tokenizer, extract, config.answer_format
         self.branch_llm = HuggingFacePipeline(pipeline=pipeline(
             "text-generation", model=model, tokenizer=tokenizer, max_new_tokens=config.max_new_tokens,
             do_sample=True, temperature=config.temperature, top_p=config.top_p, return_full_text=False))
@@ -313,7 +370,7 @@ class _LangChainHFArm:
     def _judge(self, question: str, candidates: Sequence[str]) -> list[float]:
         scores = []
         for candidate in candidates:
-            text = self._render([{"role": "system", "content": JUDGE_PROMPTS[self.workload]},
+            text = self._render([{"role": "system", "content": JUDGE_PROMPTS[self.answer_format]},
                                  {"role": "user", "content": JUDGE_TEMPLATE.format(question=question, answer=candidate)}])
             self._count(text)
             scores.append(1.0 if self.judge_llm.invoke(text).strip().lower().startswith("yes") else 0.0)
@@ -327,7 +384,7 @@ class _LangChainHFArm:
         texts = []
         per_wording = config.branches // config.ensemble
         for w in range(config.ensemble):
-            prompt = self._render(_messages(config.workload, problem.question, shots, w))
+            prompt = self._render(_messages(config.answer_format, problem.question, shots, w))
             for i in range(per_wording):
                 torch.manual_seed(config.seed + 1000 * q + w * per_wording + i)
                 self._count(prompt)
@@ -337,7 +394,7 @@ class _LangChainHFArm:
         answer, report, _ = verify_and_pick(problem.question, branches, CallableVerifier(self._judge), CGEEConfig.off())
         wall = time.perf_counter() - start
         return ArmRecord(self.name, q, wall, self.prompt_tokens, answer, problem.answer, solution_steps(problem),
-                         verified=bool(report.scores), skipped=False)
+                         verified=bool(report.scores), skipped=False, level=_level(problem))
 
 
 def _params(config: BenchConfig, seed: int) -> SamplingParams:
@@ -361,7 +418,7 @@ def _engine_config(name: str) -> EngineConfig | None:
 
 
 def build_arms(config: BenchConfig, model: Any, tokenizer: Any) -> tuple[list[Any], dict[str, str]]:
-    extract = extract_gsm8k_answer if config.workload == "gsm8k" else extract_choice_letter
+    extract = extract_gsm8k_answer if config.answer_format == "gsm8k" else extract_choice_letter
     cgee_on, cgee_off = CGEEConfig(), CGEEConfig.off()
     specs = {  # arm -> (share one prefill across branches, CGEE)
         "no_reuse": (False, cgee_off),
@@ -431,7 +488,7 @@ def _tree_search_trace(config: BenchConfig, model: Any, tokenizer: Any, shots: l
     engine = RKSCEngine(model, tokenizer, EngineConfig(rsbcm=RSBCMConfig(cache_budget_mb=config.tree_budget_mb)))
     result = engine.tree_search(
         problem.question, breadth=3, depth=config.tree_depth, beam=2,
-        few_shot=shots, answer_extractor=config.workload,
+        few_shot=shots, answer_extractor=config.answer_format,
         params=SamplingParams(temperature=config.temperature, top_p=config.top_p,
                               max_new_tokens=min(40, config.max_new_tokens), seed=config.seed),
     )
@@ -439,15 +496,19 @@ def _tree_search_trace(config: BenchConfig, model: Any, tokenizer: Any, shots: l
 
 
 def render_markdown(report: BenchReport) -> str:
-    """The per-arm table, the ablation and the skip rate by difficulty, as markdown."""
+    """The per-arm table, the ablation and the skip rate by difficulty (on the ladder, accuracy and
+    skip rate by level), as markdown."""
     summary = report.summary()
     cfg = report.config
 
     def ratio(x: float | None) -> str:
         return "" if x is None else f"{x:.2f}x"
 
+    workload = f"`{cfg.workload}`"
+    if cfg.workload == "ladder":
+        workload += f" (the difficulty ladder, levels {', '.join(map(str, cfg.levels))})"
     lines = [
-        f"workload `{cfg.workload}`, {cfg.questions} questions x {cfg.branches} branches, {cfg.shots}-shot, "
+        f"workload {workload}, {cfg.questions} questions x {cfg.branches} branches, {cfg.shots}-shot, "
         f"ensemble {cfg.ensemble}, up to {cfg.max_new_tokens} new tokens; {report.machine['cpus']} CPUs, "
         f"{report.machine['dtype']}",
         "",
@@ -469,7 +530,23 @@ def render_markdown(report: BenchReport) -> str:
         lines += ["", "| ablation | arm | speedup vs no reuse |", "|---|---|---:|"]
         lines += [f"| {label} | {arm} | {ratio(summary[arm]['speedup_vs_no_reuse'])} |" for label, arm in ablation]
     by_difficulty = report.skip_rate_by_difficulty()
-    if by_difficulty:
+    levels = {arm: report.by_level(arm) for arm in summary}
+    if any(levels.values()):
+        # A ladder level is its solution steps, so this table replaces the one by difficulty.
+        arms = list(levels)
+        skip = "rksc" in levels
+        lines += ["", "| ladder level | questions | " + " | ".join(f"accuracy ({a})" for a in arms)
+                  + (" | CGEE skipped (rksc arm) |" if skip else " |"),
+                  "|---:|---:|" + "---:|" * (len(arms) + skip)]
+        for level in sorted({lv for table in levels.values() for lv in table}):
+            cells = [(levels[a].get(level) or (0, 0, 0)) for a in arms]
+            n = max(c[2] for c in cells)
+            row = [str(level), str(n)] + [f"{c[0] / c[2]:.0%}" if c[2] else "" for c in cells]
+            if skip:
+                s = levels["rksc"].get(level) or (0, 0, 0)
+                row.append(f"{s[1]}/{s[2]}")
+            lines.append("| " + " | ".join(row) + " |")
+    elif by_difficulty:
         lines += ["", "| solution steps | CGEE skipped (rksc arm) |", "|---:|---:|"]
         lines += [f"| {d} | {s}/{n} |" for d, (s, n) in by_difficulty.items()]
     return "\n".join(lines)

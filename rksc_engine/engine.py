@@ -27,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +48,7 @@ MAX_PROBE_ATTEMPTS = 3
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[ChatMessage] | Sequence[int]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+T = TypeVar("T")
 
 
 @dataclass
@@ -610,12 +611,7 @@ class RKSCEngine:
 
     def _prefill(self, prompt_ids: list[int]) -> Prefilled:
         """The whole prompt's KV in one pass (its cached prefix served by the radix cache)."""
-        steps = self.prefill_steps(prompt_ids, None)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _run_to_end(self.prefill_steps(prompt_ids, None))
 
     def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None,
                       segments: Sequence[tuple[int, int]] | None = None) -> Generator[int, None, Prefilled]:
@@ -632,24 +628,8 @@ class RKSCEngine:
                 prefilled = self._prefill_with_asks(prompt_ids)
         if prefilled is not None:
             return prefilled
-        cache, matched, node = self._cache_for_prefix(prompt_ids)
-        try:
-            position = matched
-            while True:
-                end = len(prompt_ids) if chunk_tokens is None else min(len(prompt_ids), position + chunk_tokens)
-                with torch.inference_mode():
-                    input_ids = torch.tensor([prompt_ids[position:end]], device=self.device)
-                    out = self._forward(input_ids, cache, logits_to_keep=1)
-                computed, position = end - position, end
-                if position == len(prompt_ids):
-                    break
-                yield computed
-            with torch.inference_mode():
-                if self._cacheable:
-                    self.prefix_cache.insert(prompt_ids, _stack_kv(cache))
-        finally:
-            if node is not None:
-                self.prefix_cache.unlock(node)
+        prefilled = yield from self._prefill_exact(prompt_ids, chunk_tokens)
+        matched = prefilled.num_cached_tokens
         self._stats.prefills += 1
         self._stats.prompt_tokens_computed += len(prompt_ids) - matched
         self._stats.prompt_tokens_reused += matched
@@ -657,7 +637,37 @@ class RKSCEngine:
             self._stats.cache_hits += 1
         else:
             self._stats.cache_misses += 1
-        return Prefilled(prompt_ids, cache, out.logits[:, -1, :], matched)
+        return prefilled
+
+    def _prefill_exact(self, token_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+        """Token-exact prefill of ``token_ids``: the longest cached prefix from the radix cache (always
+        leaving the last token to compute, for its logits), the rest computed in passes of at most
+        ``chunk_tokens`` new tokens (one pass when None), and the whole sequence's KV inserted into the
+        radix cache (when it is on).
+
+        A generator like ``prefill_steps``: it yields the tokens each pass computed, between passes,
+        and returns the ``Prefilled`` (``num_cached_tokens`` is the matched prefix). The matched
+        prefix stays locked until it returns or is closed. It counts nothing in the engine's stats: a
+        prompt's prefill and a retrieved chunk cached for reuse are counted differently, by the callers."""
+        cache, matched, node = self._cache_for_prefix(token_ids)
+        try:
+            position = matched
+            while True:
+                end = len(token_ids) if chunk_tokens is None else min(len(token_ids), position + chunk_tokens)
+                with torch.inference_mode():
+                    input_ids = torch.tensor([token_ids[position:end]], device=self.device)
+                    out = self._forward(input_ids, cache, logits_to_keep=1)
+                computed, position = end - position, end
+                if position == len(token_ids):
+                    break
+                yield computed  # outside inference_mode: the caller's code runs between passes
+            with torch.inference_mode():
+                if self._cacheable:
+                    self.prefix_cache.insert(token_ids, _stack_kv(cache))
+        finally:
+            if node is not None:
+                self.prefix_cache.unlock(node)
+        return Prefilled(token_ids, cache, out.logits[:, -1, :], matched)
 
     def _prefill_with_chunks(self, prompt_ids: list[int], segments: Sequence[tuple[int, int]]) -> Prefilled | None:
         """Prefill with retrieved chunks' KV reused at their positions in this prompt
@@ -727,18 +737,13 @@ class RKSCEngine:
 
     def _cache_sequence(self, token_ids: list[int]) -> int:
         """Make sure the radix cache holds ``token_ids`` (prefilling what it lacks on top of what it
-        has); returns the tokens computed."""
-        found = self.prefix_cache.match_prefix(token_ids)
-        if found.num_tokens == len(token_ids):
+        has); returns the tokens computed. Only the KV is wanted, not the logits."""
+        if self.prefix_cache.match_prefix(token_ids).num_tokens == len(token_ids):
             return 0
-        cache, matched, node = self._cache_for_prefix(token_ids + [0])  # the +1: match all of token_ids
-        try:
-            self._forward(torch.tensor([token_ids[matched:]], device=self.device), cache, logits_to_keep=1)
-            self.prefix_cache.insert(token_ids, _stack_kv(cache))
-        finally:
-            if node is not None:
-                self.prefix_cache.unlock(node)
-        return len(token_ids) - matched
+        # At least the last token is missing, so the exact prefill's match, which always leaves the
+        # last token to compute, still reuses everything the cache holds of ``token_ids``.
+        prefilled = _run_to_end(self._prefill_exact(token_ids, None))
+        return len(token_ids) - prefilled.num_cached_tokens
 
     def _prefill_with_asks(self, prompt_ids: list[int]) -> Prefilled | None:
         """Prefill through ASKS (``config.asks``, ``rksc_engine.asks``) when the prompt realigns with a
@@ -860,6 +865,15 @@ def _check_encodable(text: str, name: str) -> None:
     except UnicodeEncodeError as error:
         raise ValueError(f"{name} is not valid Unicode text: {error.reason} at index {error.start} "
                          f"({text[error.start:error.end]!r}); remove or replace it") from None
+
+
+def _run_to_end(steps: Generator[Any, None, T]) -> T:
+    """Run a generator through all its yields and return what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _stack_kv(cache: Any) -> torch.Tensor:

@@ -63,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams
 from rksc_engine import tools as tool_protocol
+from rksc_engine.constrained import value_params
 from rksc_engine.reasoning import default_cgee
 
 from .logprobs import TokenText, TopLogprobsRecorder
@@ -305,7 +306,7 @@ class _Server:
                                                          json_answer=plan.json_answer, schema=plan.schema)
             params = body.sampling_params(self.limits.max_tokens)
             if plan.constrained_from_start:  # its value calls are single short requests on this prompt
-                self.engine.validate_request(prompt_ids, 1, tool_protocol.value_params(params, params.seed))
+                self.engine.validate_request(prompt_ids, 1, value_params(params, params.seed))
         except NotImplementedError as error:
             raise APIError(501, f"tools and response_format need a local RKSCEngine: {error}",
                            error_type="not_implemented_error") from None

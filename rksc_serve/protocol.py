@@ -6,7 +6,7 @@ Promises:
       server does not support with a value that would change the answer (the deprecated
       ``functions``, non-zero penalties, ``logit_bias``, ``echo``, ``best_of``), a tool or
       ``response_format`` schema using a feature constrained decoding cannot enforce
-      (``rksc_engine.tools.check_schema``) raises ``pydantic.ValidationError`` or ``InvalidRequest``;
+      (``rksc_engine.json_schema.check_schema``) raises ``pydantic.ValidationError`` or ``InvalidRequest``;
       both name the field, and the app turns them into HTTP 400 with OpenAI's error JSON.
     * ``tools``/``tool_choice`` and ``response_format`` become a ``ChatPlan``: the ``ToolRequest``
       and JSON schema that ``rksc_engine.tools`` decodes under, exactly as the LangChain and
@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rksc_engine import SamplingParams
 from rksc_engine.config import MAX_SEED
-from rksc_engine.tools import SchemaNotSupported, ToolRequest, check_schema
+from rksc_engine.json_schema import SchemaNotSupported, check_schema
+from rksc_engine.tools import ToolRequest
 
 # OpenAI's default number of tokens of a legacy completion when the request names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -19,6 +19,7 @@ from typing import Any
 
 from rksc_engine import Completion, SamplingParams
 from rksc_engine import tools as tool_protocol
+from rksc_engine.constrained import value_params
 from rksc_engine.tools import ToolRequest
 
 from .protocol import ChatPlan
@@ -36,12 +37,12 @@ def constrained_turn(engine: Any, prompt_ids: Sequence[int], params: SamplingPar
 
     Args:
         params: The request's sampling settings; each value call keeps their temperature, top_p
-            and top_k (``tools.value_params``).
+            and top_k (``constrained.value_params``).
         seed: This choice's seed.
     """
     tools = plan.tools if plan.tools is not None and plan.tools.forced else None
     result, content = tool_protocol.decode_constrained(
-        engine, prompt_ids, tool_protocol.value_params(params, seed), tools, plan.schema)
+        engine, prompt_ids, value_params(params, seed), tools, plan.schema)
     first = result.completion
     return Turn(content, result.tool_calls, "tool_calls" if result.tool_calls else "stop", None,
                 first.num_prompt_tokens, first.num_cached_tokens, result.num_generated_tokens)
@@ -56,7 +57,7 @@ def finish_turn(engine: Any, prompt_ids: Sequence[int], tools: ToolRequest, comp
     """
     seed = choice_seed(completion.seed, completion.branch_index)
     turn = tool_protocol.finish_tool_turn(engine, prompt_ids, tools, completion,
-                                          tool_protocol.value_params(params, seed))
+                                          value_params(params, seed))
     if turn.constrained is not None:
         generated = turn.constrained.num_generated_tokens
     else:

@@ -46,7 +46,8 @@ from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams
 from rksc_engine import tools as tool_protocol
-from rksc_engine.tools import TOOL_CALL_OPEN, ConstrainedResult, ToolCall, ToolRequest
+from rksc_engine.constrained import ConstrainedResult, inline_refs, value_params
+from rksc_engine.tools import TOOL_CALL_OPEN, ToolCall, ToolRequest
 
 from .._async import iterate_in_thread
 from ._base import RKSCFields, all_at_once, custom_events
@@ -146,7 +147,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         # the answer is parsed as that schema and a small model rarely guesses its shape unaided.
         response_format = (
             {"type": "json_schema" if method == "json_schema" else "json_object",
-             "schema": tool_protocol.inline_refs(json_schema)}
+             "schema": inline_refs(json_schema)}
             if json_schema is not None else {"type": "json_object"}
         )
         llm = self.bind(
@@ -356,7 +357,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
                 usage_metadata=self.usage(completion),
                 response_metadata=self.generation_info(completion),
             )
-        params = tool_protocol.value_params(request.params, completion.seed)
+        params = value_params(request.params, completion.seed)
         turn = tool_protocol.finish_tool_turn(self.engine, request.prompt_ids, request.tools, completion, params)
         if turn.constrained is not None:
             return self._constrained_message(turn.constrained, turn.text)
@@ -371,7 +372,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         """A forced tool call or a JSON answer, decoded under the bound schemas from the first token,
         and the completion whose prompt accounting it reports."""
         result, content = tool_protocol.decode_constrained(
-            self.engine, request.prompt_ids, tool_protocol.value_params(request.params, seed), request.tools,
+            self.engine, request.prompt_ids, value_params(request.params, seed), request.tools,
             (request.response_format or {}).get("schema"),
         )
         return self._constrained_message(result, content), result.completion

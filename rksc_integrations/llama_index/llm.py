@@ -62,7 +62,8 @@ from rksc_engine import Completion, RKSCEngine, SamplingParams
 from rksc_engine import tools as tool_protocol
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import ASKSConfig, EngineConfig
-from rksc_engine.tools import ConstrainedResult, ToolCall, ToolRequest
+from rksc_engine.constrained import ConstrainedResult, value_params
+from rksc_engine.tools import ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
 from .._common import call_sampling_params, check_prompt_text, normalise_stop
@@ -362,7 +363,7 @@ class RKSCLLM(FunctionCallingLLM):
         # An output schema wins over tools (a structured answer is asked for); else the forced call.
         tools = None if prompt.output_schema is not None else prompt.tools
         result, text = tool_protocol.decode_constrained(
-            self._engine, self._engine.encode(prompt.prompt), tool_protocol.value_params(params, params.seed),
+            self._engine, self._engine.encode(prompt.prompt), value_params(params, params.seed),
             tools, prompt.output_schema,
         )
         return self._constrained_piece(result, text, delta=text)
@@ -377,7 +378,7 @@ class RKSCLLM(FunctionCallingLLM):
         """A free generation with tools offered, finished by ``rksc_engine.tools.finish_tool_turn``
         (a call it started is decoded under the schema; its text was streamed already)."""
         turn = tool_protocol.finish_tool_turn(
-            self._engine, prompt.prompt, prompt.tools, completion, tool_protocol.value_params(params, params.seed)
+            self._engine, prompt.prompt, prompt.tools, completion, value_params(params, params.seed)
         )
         if turn.constrained is not None:
             return self._constrained_piece(turn.constrained, turn.text, delta="")
@@ -525,7 +526,7 @@ class RKSCLLM(FunctionCallingLLM):
     def structured_predict(
         self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> Any:
-        """An ``output_cls`` instance decoded under its JSON schema (``rksc_engine.tools.decode_json``).
+        """An ``output_cls`` instance decoded under its JSON schema (``rksc_engine.constrained.decode_json``).
 
         With ``pydantic_program_mode`` other than DEFAULT, LlamaIndex's own program for that mode runs.
 

@@ -316,7 +316,8 @@ def test_the_ladder_batch_records_every_question_with_what_calibration_needs(ben
 def test_the_ladder_report_tabulates_every_level_and_prints(bench, capsys):
     _, _, records = run_tiny_ladder(bench)
     report = bench.ladder_report(records, seed=0, candidate=CGEEConfig(tau_conf=0.5, margin=0.0))
-    assert len(report["tables"]) == 3
+    assert len(report["tables"]) == 4
+    assert report["chosen_by_decision_error"]["target_error"] == 0.01
     for rows in report["tables"].values():
         assert rows[-1]["group"] == "all" and all(0 < r["end_to_end_ratio"] <= 1 for r in rows), rows
     everything = report["tables"]["library default CGEEConfig(), all questions"]
@@ -325,6 +326,7 @@ def test_the_ladder_report_tabulates_every_level_and_prints(bench, capsys):
     bench.print_ladder(report, meta)
     out = capsys.readouterr().out
     assert "| level | questions |" in out and "Chosen on the calibration half" in out
+    assert "for decision error <= 1%" in out and "The vote's confidence p against right answers" in out
 
 
 def test_a_ladder_run_resumes_where_its_records_end_and_refuses_other_settings(bench, tmp_path):

@@ -17,13 +17,7 @@ from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
 from rksc_integrations.langchain import ChatRKSC  # noqa: E402
 from rksc_integrations.langchain.messages import to_engine_messages  # noqa: E402
 from tests.conftest import make_char_tokenizer, make_tiny_model  # noqa: E402
-
-
-class Add(BaseModel):
-    """Add two integers."""
-
-    a: int = Field(description="first")
-    b: int = Field(description="second")
+from tests.unit.tool_models import Add  # noqa: E402
 
 
 class Pick(BaseModel):

@@ -27,6 +27,7 @@ from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
 from rksc_engine import tools as T  # noqa: E402
 from rksc_serve.app import create_app  # noqa: E402
 from tests.conftest import make_char_tokenizer, make_tiny_model, serving  # noqa: E402
+from tests.unit.tool_models import Add  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Add 2 and 3."}]
 ADD_PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -35,13 +36,6 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
 PICK_SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"},
                                                 "size": {"type": "integer", "minimum": 1, "maximum": 9}},
                "required": ["colour", "bright", "size"], "additionalProperties": False}
-
-
-class Add(BaseModel):
-    """Add two integers."""
-
-    a: int = Field(description="first")
-    b: int = Field(description="second")
 
 
 class Pick(BaseModel):

@@ -1,5 +1,5 @@
-"""rksc_engine.tools on the tiny seeded model: the tool protocol both ways, parsing, token masks, and
-calls / JSON decoded under their schema."""
+"""rksc_engine.tools, .constrained and .json_schema on the tiny seeded model: the tool protocol both
+ways, parsing, token masks, calls / JSON decoded under their schema, and the schema checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from rksc_engine import Completion, RKSCEngine, SamplingParams
+from rksc_engine import Completion, RKSCEngine, SamplingParams, json_schema
+from rksc_engine import constrained as C
 from rksc_engine import tools as T
 from tests.conftest import make_char_tokenizer
 
@@ -114,17 +115,17 @@ def test_a_generation_stopped_at_the_opener_is_told_apart_from_one_stopped_elsew
 
 # -- token masks --------------------------------------------------------------------------------
 def test_the_vocabulary_index_finds_prefix_tokens_and_first_characters(tiny_engine):
-    vocab = T.vocabulary(tiny_engine)
+    vocab = C.vocabulary(tiny_engine)
     assert [vocab.texts[i] for i in vocab.prefixes_of("red")] == ["r"]  # one character a token
     assert vocab.eos[1] and not vocab.eos[2]
     starts = vocab.starting_with(",]")
     assert {vocab.texts[i] for i in starts.nonzero().flatten().tolist()} == {",", "]"}
-    assert T.vocabulary(tiny_engine) is vocab  # built once per tokenizer
+    assert C.vocabulary(tiny_engine) is vocab  # built once per tokenizer
 
 
 def test_an_enum_is_the_member_whose_first_token_the_model_ranks_highest(tiny_engine):
     ids = prompt_ids(tiny_engine)
-    decoder = T.ConstrainedDecoder(tiny_engine, ids, GREEDY)
+    decoder = C.ConstrainedDecoder(tiny_engine, ids, GREEDY)
     options = ["red", "green", "blue"]
     picked = decoder.choose(options)
     logits = next_logits(tiny_engine, ids + tiny_engine.tokenizer('"', add_special_tokens=False)["input_ids"])
@@ -135,7 +136,7 @@ def test_an_enum_is_the_member_whose_first_token_the_model_ranks_highest(tiny_en
 
 def test_an_integer_is_written_in_digits_starting_with_the_models_best_digit(tiny_engine):
     ids = prompt_ids(tiny_engine, "a number")
-    decoder = T.ConstrainedDecoder(tiny_engine, ids, GREEDY)
+    decoder = C.ConstrainedDecoder(tiny_engine, ids, GREEDY)
     value = decoder.value({"type": "integer"})
     assert isinstance(value, int) and decoder.text == str(value)
     digits = [tiny_engine.tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in "-0123456789"]
@@ -146,10 +147,10 @@ def test_an_integer_is_written_in_digits_starting_with_the_models_best_digit(tin
 
 def test_the_mask_makes_the_model_itself_write_digits_where_unmasked_only_the_default_is_left(tiny_engine):
     ids = prompt_ids(tiny_engine, "a number")
-    unmasked = T.ConstrainedDecoder(tiny_engine, ids, GREEDY, token_masks=False)
+    unmasked = C.ConstrainedDecoder(tiny_engine, ids, GREEDY, token_masks=False)
     assert unmasked.value({"type": "integer", "default": 7}) == 7
     assert not unmasked.first.text.lstrip()[:1].isdigit()  # the random model wrote letters; coercion fell back
-    masked = T.ConstrainedDecoder(tiny_engine, ids, GREEDY)
+    masked = C.ConstrainedDecoder(tiny_engine, ids, GREEDY)
     masked.value({"type": "integer", "default": 7})
     assert masked.first.text.isdigit()  # its own digits, cut where it chose an end token
 
@@ -163,7 +164,7 @@ def test_a_failing_mask_fails_only_its_request_and_generation_stays_exact(tiny_e
             raise RuntimeError("constraint failed")
 
     with pytest.raises(RuntimeError, match="constraint failed"):
-        processor = T.constraint_processor(tiny_engine, Exploding())
+        processor = C.constraint_processor(tiny_engine, Exploding())
         tiny_engine.submit(prompt, 1, GREEDY, logits_processor=processor).result()
     T.decode_tool_call(tiny_engine, prompt, GREEDY, T.ToolRequest.build([PICK], "any"))
     assert no_hooks_left(tiny_engine.model)
@@ -180,7 +181,7 @@ def test_a_forced_call_has_arguments_of_every_schema_type(tiny_engine):
     [call] = result.tool_calls
     assert call.name == "pick" and result.finish_reason == "tool_calls"
     assert call.arguments["colour"] in ("red", "green", "blue") and isinstance(call.arguments["bright"], bool)
-    assert 1 <= len(call.arguments["sizes"]) <= T.MAX_ITEMS and all(1 <= s <= 9 for s in call.arguments["sizes"])
+    assert 1 <= len(call.arguments["sizes"]) <= C.MAX_ITEMS and all(1 <= s <= 9 for s in call.arguments["sizes"])
     assert result.completion.num_prompt_tokens == len(ids) and result.num_generated_tokens > 0
 
 
@@ -209,16 +210,24 @@ def test_json_answers_resolve_references_and_json_mode_chooses_its_own_keys(tiny
         "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
         "required": ["item"], "$defs": {"Item": {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}},
     }
-    result = T.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY, schema)
+    result = C.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY, schema)
     assert set(result.value) == {"item"} and type(result.value["item"]["count"]) is int
     assert json.loads(result.text) == result.value and result.finish_reason == "stop"
-    free = T.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY)
+    free = C.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY)
     assert isinstance(free.value, dict) and json.loads(free.text) == free.value
 
 
 def test_the_tools_module_imports_neither_langchain_nor_llama_index():
-    code = "import sys, rksc_engine.tools; sys.exit(any(m.split('.')[0] in ('langchain_core', 'llama_index') for m in sys.modules))"
+    code = ("import sys, rksc_engine.tools, rksc_engine.constrained, rksc_engine.json_schema; "
+            "sys.exit(any(m.split('.')[0] in ('langchain_core', 'llama_index') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_decoder_and_schema_check_names_are_still_importable_from_tools():
+    for module in (C, json_schema):
+        for name in module.__all__:
+            assert name in T.__all__ and getattr(T, name) is getattr(module, name), f"rksc_engine.tools.{name}"
+    assert all(hasattr(T, name) for name in T.__all__)
 
 
 # -- what the decoder honours ---------------------------------------------------------------------
@@ -234,8 +243,8 @@ def test_the_tools_module_imports_neither_langchain_nor_llama_index():
     ({"$ref": "https://example.com/schema.json"}, ("$ref",)),
 ])
 def test_a_schema_the_decoder_cannot_honour_is_refused_at_its_location(schema, loc):
-    with pytest.raises(T.SchemaNotSupported) as raised:
-        T.check_schema(schema)
+    with pytest.raises(json_schema.SchemaNotSupported) as raised:
+        json_schema.check_schema(schema)
     assert raised.value.loc == loc
 
 
@@ -258,6 +267,6 @@ def test_every_schema_check_schema_accepts_here_is_decoded_into_a_valid_value(ti
             "count": {"type": "integer", "exclusiveMinimum": 1e15}}},
     ]
     for schema in schemas:
-        T.check_schema(schema)
-        result = T.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY, schema)
+        json_schema.check_schema(schema)
+        result = C.decode_json(tiny_engine, prompt_ids(tiny_engine, "json"), GREEDY, schema)
         jsonschema.validate(json.loads(result.text), schema)
