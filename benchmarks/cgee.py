@@ -428,16 +428,38 @@ def _row(label: str, summary: OutcomeSummary, generate_s: float) -> dict:
             "end_to_end_ratio": (full_s - summary.verify_s_saved) / full_s if full_s > 0 else 1.0}
 
 
-def _level_rows(raw: list[dict], config: CGEEConfig) -> list[dict]:
-    """Per level, then all levels together, what ``config`` does on ``raw``."""
-    rows = []
-    for level in sorted({r["level"] for r in raw}):
-        group = [r for r in raw if r["level"] == level]
-        rows.append(_row(str(level), summarise_outcomes([QuestionOutcome.from_dict(r) for r in group], config),
-                         sum(r["generate_s"] for r in group)))
-    rows.append(_row("all", summarise_outcomes([QuestionOutcome.from_dict(r) for r in raw], config),
-                     sum(r["generate_s"] for r in raw)))
+def _level_rows(raw: list[dict], config: CGEEConfig, untimed: frozenset[int] = frozenset()) -> list[dict]:
+    """Per level, then all levels together, what ``config`` does on ``raw``. Records whose index is
+    in ``untimed`` count in every decision and accuracy figure but not in the seconds."""
+    def row(label: str, group: list[dict]) -> dict:
+        summary = summarise_outcomes([QuestionOutcome.from_dict(r) for r in group], config)
+        timed = [r for r in group if r["index"] not in untimed]
+        seconds = summarise_outcomes([QuestionOutcome.from_dict(r) for r in timed], config) if timed else None
+        summary = replace(summary, verify_s=seconds.verify_s if seconds else 0.0,
+                          verify_s_saved=seconds.verify_s_saved if seconds else 0.0)
+        return _row(label, summary, sum(r["generate_s"] for r in timed))
+
+    rows = [row(str(level), [r for r in raw if r["level"] == level]) for level in sorted({r["level"] for r in raw})]
+    rows.append(row("all", raw))
     return rows
+
+
+def parse_index_ranges(text: str | None) -> frozenset[int]:
+    """``"480-799,900"`` -> those indices; ``None`` or ``""`` -> none."""
+    indices: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"untimed must be comma-separated indices or ranges like 480-799, got {part!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"untimed range {part!r} must be 0 <= first <= last")
+        indices.update(range(first, last + 1))
+    return frozenset(indices)
 
 
 CONFIDENCE_BINS = (0.0, 0.3, 0.45, 0.6, 0.8, 1.01)
@@ -461,10 +483,12 @@ def confidence_bins(raw: list[dict], edges: Sequence[float] = CONFIDENCE_BINS) -
 
 
 def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candidate: CGEEConfig | None = None,
-                  target_error: float = 0.01) -> dict:
+                  target_error: float = 0.01, untimed: frozenset[int] = frozenset()) -> dict:
     """Per-level tables (library default on every question; thresholds chosen on one half, by
     ``calibrate_split``'s accuracy rule and by ``calibrate``'s decision-error rule at
-    ``target_error``, on the other half; ``candidate`` on every question) and the split's result."""
+    ``target_error``, on the other half; ``candidate`` on every question) and the split's result.
+    Questions in ``untimed`` (indices whose batches ran beside other work) count in the decisions
+    and accuracies but not in any seconds."""
     outcomes = [QuestionOutcome.from_dict(r) for r in raw]
     split = calibrate_split(outcomes, seed=seed, rule=rule)
     held = [raw[i] for i in split.held_out_indices]
@@ -475,14 +499,15 @@ def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candi
                 if outcomes[i].summary.winner is not None]
     agreement = calibrate(verified, target_error).config if verified else CGEEConfig(skip_enabled=False)
     held_outcomes = [outcomes[i] for i in split.held_out_indices]
-    tables = {"library default CGEEConfig(), all questions": _level_rows(raw, CGEEConfig()),
-              "chosen on the calibration half by accuracy, held-out half": _level_rows(held, split.config),
+    tables = {"library default CGEEConfig(), all questions": _level_rows(raw, CGEEConfig(), untimed),
+              "chosen on the calibration half by accuracy, held-out half": _level_rows(held, split.config, untimed),
               f"chosen on the calibration half by decision error <= {target_error:.0%} (Wilson 95% upper bound), "
               f"held-out half (tau={agreement.tau_conf} margin={agreement.margin} skip={agreement.skip_enabled})":
-                  _level_rows(held, agreement)}
+                  _level_rows(held, agreement, untimed)}
     if candidate is not None:
-        tables[f"candidate tau={candidate.tau_conf} margin={candidate.margin}, all questions"] = _level_rows(raw, candidate)
-    generate_s, verify_s = sum(r["generate_s"] for r in raw), sum(r.get("verify_s", 0.0) for r in raw)
+        tables[f"candidate tau={candidate.tau_conf} margin={candidate.margin}, all questions"] = _level_rows(raw, candidate, untimed)
+    timed = [r for r in raw if r["index"] not in untimed]
+    generate_s, verify_s = sum(r["generate_s"] for r in timed), sum(r.get("verify_s", 0.0) for r in timed)
     return {"rule": rule, "seed": seed, "tables": tables,
             "chosen": {"tau_conf": split.config.tau_conf, "margin": split.config.margin,
                        "skip_enabled": split.config.skip_enabled},
@@ -492,7 +517,7 @@ def ladder_report(raw: list[dict], *, seed: int = 0, rule: str = "wilson", candi
                                              summarise_outcomes(held_outcomes, agreement).keeps_accuracy(rule)},
             "calibration_half": _row("calibration half", split.calibration, 0.0),
             "keeps_accuracy_held_out": split.keeps_accuracy_held_out,
-            "verifier_decisions": sum(bool(r["shares"]) for r in raw),
+            "verifier_decisions": sum(bool(r["shares"]) for r in raw), "timed_questions": len(timed),
             "generate_s": generate_s, "verify_s": verify_s,
             "verify_share": verify_s / (generate_s + verify_s) if generate_s + verify_s > 0 else 0.0,
             "confidence_bins": confidence_bins(raw)}
@@ -535,7 +560,8 @@ def print_ladder(report: dict, meta: dict) -> None:
     print(f"Chosen on the calibration half for decision error <= {d['target_error']:.0%} (Wilson 95% upper bound): "
           f"skip={d['skip_enabled']} tau_conf={d['tau_conf']} margin={d['margin']}; on the held-out half it "
           f"{'kept' if d['keeps_accuracy_held_out'] else 'did NOT keep'} accuracy by rule '{report['rule']}'.")
-    print(f"Verification is {report['verify_share']:.1%} of the always-verify pipeline's time (generation "
+    print(f"Verification is {report['verify_share']:.1%} of the always-verify pipeline's time over the "
+          f"{report['timed_questions']} timed questions (generation "
           f"{report['generate_s']:.1f}s, verification {report['verify_s']:.1f}s): skipping can save at most that share.")
     everything = report["tables"]["library default CGEEConfig(), all questions"][-1]
     if everything["full_accuracy"] < everything["vote_accuracy"]:
@@ -575,6 +601,9 @@ def main() -> None:
                         help="default benchmarks/results/cgee_records.json (ladder: cgee_ladder_records.json)")
     parser.add_argument("--json-out", default=None, help="default benchmarks/results/cgee.json (ladder: cgee_ladder.json)")
     parser.add_argument("--from-records", default=None, help="calibrate from saved records; generate nothing")
+    parser.add_argument("--untimed", default=None,
+                        help="ladder: question indices (e.g. 480-799) whose batches ran beside other work; they "
+                             "count in decisions and accuracy, not in seconds")
     parser.add_argument("--resume", action="store_true",
                         help="ladder: keep the records already in --records-out and run only the missing questions")
     parser.add_argument("--threads", type=int, default=None,
@@ -596,6 +625,10 @@ def main() -> None:
             candidate = CGEEConfig(skip_enabled=True, tau_conf=tau, margin=margin)
         except ValueError as exc:
             parser.error(f"--candidate must be 'TAU,MARGIN' with both in [0, 1]: {exc}")
+    try:
+        untimed = parse_index_ranges(args.untimed)
+    except ValueError as exc:
+        parser.error(f"--untimed: {exc}")
     if args.workload == "ladder" and not args.data:
         try:
             ladder_problems(1, tuple(int(x) for x in args.levels.split(",") if x.strip()))
@@ -615,7 +648,8 @@ def main() -> None:
 
     if workload == "ladder":
         report = ladder_report(raw, seed=args.seed, rule=args.rule, candidate=candidate,
-                               target_error=args.target_error if args.target_error is not None else 0.01)
+                               target_error=args.target_error if args.target_error is not None else 0.01,
+                               untimed=untimed)
         print_ladder(report, meta)
         write_json(Path(args.json_out), {"meta": meta, "ladder": report})
         return

@@ -208,12 +208,13 @@ class RSBCMConfig:
 class CGEEConfig:
     """Thresholds of both CGEE levels (see ``rksc_engine.cgee`` for the rules they feed).
 
-    The defaults come from ``benchmarks/cgee.py`` on 56 GSM8K questions with the default model
-    (SmolLM2-135M-Instruct, 8 branches), where neither level can save much: no vote's winner share
-    passed 0.51, so level 1 is left at the one rule that is exact by construction (skip a unanimous
-    vote, whose single candidate verification could not overturn); and the logit lens reads
-    P(Yes) ~ 1 for every candidate wherever its entropy is low, so level 2 is off. Use
-    ``rksc_engine.cgee.calibrate`` on your own questions to loosen them.
+    The defaults are the settings that cannot change an answer: level 1 skips only a unanimous vote
+    (whose single candidate verification could not overturn) and level 2 is off. Looser thresholds
+    pay only where a model's vote is often confident and its judge's middle layers already hold the
+    final decision; how much they save, and at what decision error, depends on the model and the
+    workload (measured in ``docs/bench/cgee_ladder.md`` and ``docs/bench/cgee_lens_exit.md``, with
+    their commands). Choose them on your own questions with ``rksc_engine.cgee.calibrate`` (decision
+    error against full verification) or ``calibrate_split`` (accuracy against the right answers).
 
     Attributes:
         skip_enabled: Level 1, skip verification when the vote is confident. Default True.
@@ -225,9 +226,8 @@ class CGEEConfig:
         epsilon: Largest entropy change between consecutive layers that counts as stable, > 0.
             Default 0.05.
         min_layer: First layer (0-based) whose entropy is checked, >= 0; it sets the baseline, so the
-            earliest exit is ``min_layer + 1``. Default 24 (of the default model's 30 layers; the
-            level-2 values ``calibrate`` chose for a 10% target on the GSM8K run, saving ~2% of the
-            verifier's layers there).
+            earliest exit is ``min_layer + 1``. Default 24, late in the default model's 30 layers, so
+            that turning level 2 on without calibrating checks only where the lens can have settled.
     """
 
     skip_enabled: bool = True

@@ -354,3 +354,22 @@ def test_a_ladder_run_resumes_where_its_records_end_and_refuses_other_settings(b
     args.branches = 3
     with pytest.raises(SystemExit, match="branches"):
         bench.run_ladder(args, out)
+
+
+def test_untimed_questions_count_in_decisions_but_not_in_seconds(bench):
+    _, _, records = run_tiny_ladder(bench)
+    skip_all = CGEEConfig(tau_conf=0.0, margin=0.0)
+    timed = bench.ladder_report(records, seed=0, candidate=skip_all)
+    level_two = frozenset(r["index"] for r in records if r["level"] == 2)
+    partly = bench.ladder_report(records, seed=0, candidate=skip_all, untimed=level_two)
+    title = next(t for t in timed["tables"] if t.startswith("candidate"))
+    for before, after in zip(timed["tables"][title], partly["tables"][title]):
+        assert (after["num_decisions"], after["num_decision_errors"]) == (before["num_decisions"], before["num_decision_errors"])
+    by_group = {r["group"]: r for r in partly["tables"][title]}
+    assert by_group["2"]["generate_s"] == 0 and by_group["2"]["verify_s_saved"] == 0
+    assert by_group["1"]["generate_s"] == pytest.approx(sum(r["generate_s"] for r in records if r["level"] == 1))
+    assert partly["timed_questions"] == len(records) - len(level_two)
+    assert bench.parse_index_ranges("3-5, 9") == {3, 4, 5, 9} and bench.parse_index_ranges(None) == frozenset()
+    for bad in ("5-3", "x", "-1"):
+        with pytest.raises(ValueError, match="untimed"):
+            bench.parse_index_ranges(bad)
