@@ -570,6 +570,44 @@ def print_ladder(report: dict, meta: dict) -> None:
               f"returns the vote winner can only help on average, and the no-loss rule lets CGEE skip freely.")
 
 
+def plot_ladder(report: dict, path: Path) -> None:
+    """Two panels: the vote's accuracy by its confidence ``p`` (Wilson 95% bars), and the skip rate
+    per level of every table that skips at all."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
+    bins = [b for b in report["confidence_bins"] if b["questions"]]
+    centres = [(b["low"] + b["high"]) / 2 for b in bins]
+    accuracy = [b["vote_correct"] / b["questions"] for b in bins]
+    low = [a - b["vote_accuracy_wilson"][0] for a, b in zip(accuracy, bins)]
+    high = [b["vote_accuracy_wilson"][1] - a for a, b in zip(accuracy, bins)]
+    left.errorbar(centres, accuracy, yerr=[low, high], marker="o", capsize=3)
+    for c, a, b in zip(centres, accuracy, bins):
+        left.annotate(f"n={b['questions']}", (c, a), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    left.set_xlabel("vote confidence p (winner's confidence-weighted share)")
+    left.set_ylabel("vote accuracy")
+    left.set_ylim(0, 1)
+    left.set_title("Confidence tracks right answers")
+    tables = [(title, rows) for title, rows in report["tables"].items() if rows[-1]["skip_rate"] > 0]
+    levels = [r["group"] for r in next(iter(report["tables"].values()))[:-1]]
+    width = 0.8 / max(1, len(tables))
+    for k, (title, rows) in enumerate(tables):
+        short = title.split(",")[0].split(" (")[0].replace("chosen on the calibration half ", "chosen ")
+        right.bar([i + k * width for i in range(len(levels))], [r["skip_rate"] for r in rows[:-1]], width, label=short)
+    right.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], [f"level {x}" for x in levels])
+    right.set_ylabel("verifications skipped")
+    right.set_ylim(0, 1.05)
+    right.set_title("Skip rate by difficulty")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=("arms", "ladder"), default="arms",
@@ -604,6 +642,7 @@ def main() -> None:
     parser.add_argument("--untimed", default=None,
                         help="ladder: question indices (e.g. 480-799) whose batches ran beside other work; they "
                              "count in decisions and accuracy, not in seconds")
+    parser.add_argument("--plot", default=None, help="ladder: write the confidence and skip-rate plot to this PNG")
     parser.add_argument("--resume", action="store_true",
                         help="ladder: keep the records already in --records-out and run only the missing questions")
     parser.add_argument("--threads", type=int, default=None,
@@ -652,6 +691,8 @@ def main() -> None:
                                untimed=untimed)
         print_ladder(report, meta)
         write_json(Path(args.json_out), {"meta": meta, "ladder": report})
+        if args.plot:
+            plot_ladder(report, Path(args.plot))
         return
     rows = print_arms(raw, meta)
     # Older record files lack the arm configs; they ran with the defaults of the time (see the note).

@@ -373,3 +373,11 @@ def test_untimed_questions_count_in_decisions_but_not_in_seconds(bench):
     for bad in ("5-3", "x", "-1"):
         with pytest.raises(ValueError, match="untimed"):
             bench.parse_index_ranges(bad)
+
+
+def test_the_ladder_plot_is_written(bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, records = run_tiny_ladder(bench)
+    report = bench.ladder_report(records, seed=0, candidate=CGEEConfig(tau_conf=0.0, margin=0.0))
+    bench.plot_ladder(report, tmp_path / "ladder.png")
+    assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
