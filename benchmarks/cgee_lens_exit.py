@@ -97,6 +97,11 @@ class LensRecord:
         return out
 
     @cached_property
+    def exits(self) -> dict:
+        """``exit_layer``'s answers so far, by rule."""
+        return {}
+
+    @cached_property
     def entropy(self) -> torch.Tensor:
         """``(layers, candidates)`` label entropy, as the library's exit rule reads it."""
         return lens_entropy(self.lens)
@@ -134,6 +139,14 @@ def exit_layer(record: LensRecord, rule: ExitRule) -> int:
     """The 0-based layer where ``rule`` stops the pass; ``num_layers - 1`` means it ran to the end.
 
     Layers ``min_layer`` to ``num_layers - 2`` are checked; a window must lie wholly inside them."""
+    # The calibration half is scored again inside the all-decisions frontier: replay each pair once.
+    cached = record.exits.get(rule)
+    if cached is None:
+        cached = record.exits[rule] = _exit_layer(record, rule)
+    return cached
+
+
+def _exit_layer(record: LensRecord, rule: ExitRule) -> int:
     last = record.num_layers - 1
     if rule.kind == "entropy":
         config = CGEEConfig(exit_enabled=True, theta=rule.theta, epsilon=rule.epsilon, min_layer=rule.min_layer)
