@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,7 +36,7 @@ from .config import EngineConfig, SamplingParams, check_request_shape
 from .loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .memory import run_with_oom_retry
 from .prefix_cache import RadixPrefixCache
-from .requests import LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
+from .requests import BranchMonitor, LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .scheduler import Scheduler
 from .shared_prefix import ProbeResult, SharedPrefixCache, initial_suffix_capacity, probe
 from .types import ASKSDecision, ChunkReuseDecision, Completion, EngineStats, StreamChunk
@@ -75,6 +75,41 @@ class Prefilled:
     asks: ASKSDecision | ChunkReuseDecision | None = None  # what ASKS did, None when it did not act
 
 
+class EngineLock:
+    """A re-entrant lock that knows its owner, so "does this thread hold the engine?" is answered
+    without reaching into ``threading.RLock`` internals. Used as ``with lock:``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self._owner = threading.get_ident()
+        self._depth += 1
+        return True
+
+    def release(self) -> None:
+        if self._owner != threading.get_ident():
+            raise RuntimeError("the engine lock is released by a thread that does not hold it")
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    def held_by_caller(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> EngineLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
 class RKSCEngine:
     """Multi-branch generation over one shared prompt prefill, with a radix prefix cache across calls.
 
@@ -92,8 +127,9 @@ class RKSCEngine:
         self.config = config
         self._model = model.eval()
         self._tokenizer = tokenizer
-        self._lock = threading.RLock()
+        self._lock = EngineLock()
         self._stats = EngineStats()
+        self._published_stats = EngineStats()
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         self.prefix_cache = RadixPrefixCache(
@@ -251,7 +287,7 @@ class RKSCEngine:
 
     def holds_engine(self) -> bool:
         """Whether the calling thread holds the engine (is inside ``exclusive()`` or a scheduler step)."""
-        return self._lock._is_owned()
+        return self._lock.held_by_caller()
 
     def count(self, counter: str, amount: int = 1) -> None:
         """Add ``amount`` to the ``EngineStats`` field ``counter`` (or to ``extra[counter]`` for a
@@ -308,6 +344,8 @@ class RKSCEngine:
         *,
         stream: bool = False,
         logits_processor: LogitsProcessor | None = None,
+        monitor: BranchMonitor | None = None,
+        max_branches: int | None = None,
     ) -> RequestHandle:
         """Queue a request of ``n`` branches and return its handle at once.
 
@@ -324,6 +362,10 @@ class RKSCEngine:
             logits_processor: ``fn(token_ids_per_row, logits (rows, V)) -> logits`` applied to this
                 request's rows before sampling (token masks, constrained decoding); logprobs are then
                 over the processed distribution.
+            monitor: A ``BranchMonitor`` that sees this request's branches step by step and may stop
+                some or add more (early-stop rules; ``rksc_engine.early_stop``).
+            max_branches: The most branches ``monitor`` may bring the request to (default ``n``: none
+                added). Added branches fork off the prompt's KV, kept while the request runs.
 
         Returns:
             A ``RequestHandle``: ``.result()``, iterate it, ``await`` it, or ``.cancel()`` it.
@@ -334,8 +376,21 @@ class RKSCEngine:
             raise TypeError(f"logits_processor must be callable, got {type(logits_processor).__name__}")
         if not isinstance(stream, bool):
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+        if monitor is not None and not callable(getattr(monitor, "observe", None)):
+            raise TypeError(f"monitor must have an observe(events) method, got {type(monitor).__name__}")
+        if max_branches is None:
+            max_branches = n
+        elif not isinstance(max_branches, int) or isinstance(max_branches, bool):
+            raise TypeError(f"max_branches must be an int or None, got {type(max_branches).__name__}")
+        elif max_branches < n:
+            raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
+        if max_branches > n:
+            check_request_shape(max_branches, params)  # the added branches obey the same bounds
+            if monitor is None:
+                raise ValueError("max_branches > n needs a monitor, which is what adds branches")
         return self._scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor,
-                                      segments=self.prompt_segments(prompt, prompt_ids))
+                                      segments=self.prompt_segments(prompt, prompt_ids), monitor=monitor,
+                                      max_branches=max_branches)
 
     def prompt_segments(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
         """Token spans tiling ``prompt_ids`` cut at ``config.asks.chunk_separator``, for retrieved-context
@@ -419,22 +474,40 @@ class RKSCEngine:
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """A snapshot of the engine's counters (prompt tokens computed/reused, decode tokens, cache)."""
-        with self._lock:
-            snapshot = EngineStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            snapshot.extra = dict(self._stats.extra)
-            snapshot.cache_bytes = self.prefix_cache.total_bytes
-            snapshot.cache_tokens = self.prefix_cache.total_tokens
-            snapshot.cache_evicted_tokens = self.prefix_cache.evicted_tokens
-            snapshot.cache_peak_bytes = self.prefix_cache.peak_bytes
-            snapshot.cache_budget_bytes = self.prefix_cache.budget_bytes
-            scheduler = self._scheduler
-            snapshot.running_requests = len(scheduler._running)
-            snapshot.waiting_requests = scheduler.num_waiting
-            snapshot.running_kv_bytes = scheduler.running_kv_bytes()
-            snapshot.peak_running_kv_bytes = scheduler.peak_running_kv_bytes
-            snapshot.peak_batch_rows = scheduler.peak_batch_rows
-            return snapshot
+        """A snapshot of the engine's counters (prompt tokens computed/reused, decode tokens, cache).
+
+        Never waits for the engine: while a scheduler step, a verifier pass or an ``exclusive()``
+        block of another thread holds it, this returns the snapshot published after the last step
+        (and before any request finished), so a server's ``/metrics`` never stalls behind the model.
+        """
+        if not self._lock.acquire(blocking=False):
+            return self._published_stats
+        try:
+            return self.publish_stats()
+        finally:
+            self._lock.release()
+
+    def publish_stats(self) -> EngineStats:
+        """Take a fresh snapshot and make it the one ``stats()`` returns while the engine is busy
+        (the scheduler calls this after each step; the caller holds the engine)."""
+        self._published_stats = snapshot = self._take_stats()
+        return snapshot
+
+    def _take_stats(self) -> EngineStats:
+        snapshot = EngineStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
+        snapshot.extra = dict(self._stats.extra)
+        snapshot.cache_bytes = self.prefix_cache.total_bytes
+        snapshot.cache_tokens = self.prefix_cache.total_tokens
+        snapshot.cache_evicted_tokens = self.prefix_cache.evicted_tokens
+        snapshot.cache_peak_bytes = self.prefix_cache.peak_bytes
+        snapshot.cache_budget_bytes = self.prefix_cache.budget_bytes
+        scheduler = self._scheduler
+        snapshot.running_requests = scheduler.num_running_requests
+        snapshot.waiting_requests = scheduler.num_waiting
+        snapshot.running_kv_bytes = scheduler.running_kv_bytes()
+        snapshot.peak_running_kv_bytes = scheduler.peak_running_kv_bytes
+        snapshot.peak_batch_rows = scheduler.peak_batch_rows
+        return snapshot
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -442,6 +515,7 @@ class RKSCEngine:
             self.prefix_cache.reset_peak()
             self._scheduler.peak_batch_rows = self._scheduler.num_running_rows
             self._scheduler.peak_running_kv_bytes = self._scheduler.running_kv_bytes()
+            self.publish_stats()
 
     def exclusive(self) -> Any:
         """A context manager that holds the engine across several calls (``with engine.exclusive():``).
@@ -613,10 +687,11 @@ class RKSCEngine:
         """The whole prompt's KV in one pass (its cached prefix served by the radix cache)."""
         return _run_to_end(self.prefill_steps(prompt_ids, None))
 
-    def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | None,
+    def prefill_steps(self, prompt_ids: list[int], chunk_tokens: int | Callable[[], int] | None,
                       segments: Sequence[tuple[int, int]] | None = None) -> Generator[int, None, Prefilled]:
-        """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None);
-        the scheduler's chunked prefill. The caller holds the engine (``exclusive()``).
+        """Prefill ``prompt_ids`` in passes of at most ``chunk_tokens`` new tokens (one pass when None;
+        a callable is asked before each pass, so the scheduler can hand each pass what is left of its
+        step's token budget); the scheduler's chunked prefill. The caller holds the engine (``exclusive()``).
 
         A generator: it yields the tokens each pass computed, between passes, so the scheduler can
         decode other requests in between, and returns the ``Prefilled``. The matched prefix stays
@@ -639,7 +714,8 @@ class RKSCEngine:
             self._stats.cache_misses += 1
         return prefilled
 
-    def _prefill_exact(self, token_ids: list[int], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+    def _prefill_exact(self, token_ids: list[int], chunk_tokens: int | Callable[[], int] | None
+                       ) -> Generator[int, None, Prefilled]:
         """Token-exact prefill of ``token_ids``: the longest cached prefix from the radix cache (always
         leaving the last token to compute, for its logits), the rest computed in passes of at most
         ``chunk_tokens`` new tokens (one pass when None), and the whole sequence's KV inserted into the
@@ -653,7 +729,8 @@ class RKSCEngine:
         try:
             position = matched
             while True:
-                end = len(token_ids) if chunk_tokens is None else min(len(token_ids), position + chunk_tokens)
+                limit = chunk_tokens() if callable(chunk_tokens) else chunk_tokens
+                end = len(token_ids) if limit is None else min(len(token_ids), position + max(1, limit))
                 with torch.inference_mode():
                     input_ids = torch.tensor([token_ids[position:end]], device=self.device)
                     out = self._forward(input_ids, cache, logits_to_keep=1)

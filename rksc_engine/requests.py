@@ -24,12 +24,27 @@ from typing import Any, Protocol
 
 import torch
 
-from .types import Completion, StreamChunk
+from .types import BranchControl, BranchEvent, Completion, StreamChunk
 
 # A per-request logits processor: given each active branch's generated token ids so far (rows in
 # the order of ``logits``) and the next-token logits of those rows, (B, V), return the logits to
 # sample from (same shape). It runs inside the scheduler's step, for this request's rows only.
 LogitsProcessor = Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]
+
+
+class BranchMonitor(Protocol):
+    """Watches one request's branches as they decode and may stop some or add more.
+
+    ``observe`` runs inside the scheduler's step, once per step of the request, after its rows
+    sampled: ``events`` holds one ``BranchEvent`` per branch that advanced (in branch order). It
+    sees only its own request. What it returns acts before the next forward: stopped branches
+    leave the batch (``finish_reason="cancelled"``), added branches fork off the prompt. Called on
+    the scheduler's thread, with the engine held: it must be quick and must not call the engine.
+    An exception it raises fails its own request only.
+    """
+
+    def observe(self, events: Sequence[BranchEvent]) -> BranchControl | None:
+        """React to one step of the request's branches (None: carry on)."""
 
 
 class RequestDriver(Protocol):
@@ -61,6 +76,7 @@ class RequestChannel:
         self._error: BaseException | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.cancelled = threading.Event()
+        self._branches_to_cancel: set[int] = set()
 
     # -- producer side (the scheduler) ----------------------------------------------------------
     def push(self, chunk: StreamChunk) -> None:
@@ -83,9 +99,26 @@ class RequestChannel:
         self._cond.notify_all()
         waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            if future.done():  # its awaiter was cancelled or timed out
+                continue
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:
+                # The awaiting loop has closed (``asyncio.run`` returned after a time-out): nobody is
+                # left to wake, and this must never reach the scheduler, which serves other requests.
+                pass
+
+    def take_branch_cancellations(self) -> set[int]:
+        """Branch indices the consumer asked to stop since the last call (the scheduler's side)."""
+        with self._cond:
+            taken, self._branches_to_cancel = self._branches_to_cancel, set()
+            return taken
 
     # -- consumer side --------------------------------------------------------------------------
+    def cancel_branches(self, indices: set[int]) -> None:
+        with self._cond:
+            self._branches_to_cancel |= indices
+
     @property
     def finished(self) -> bool:
         return self._completions is not None or self._error is not None
@@ -111,7 +144,15 @@ class RequestChannel:
                 future.set_result(None)
             else:
                 self._waiters.append((loop, future))
+                future.add_done_callback(self._forget_waiter)
         return future
+
+    def _forget_waiter(self, future: asyncio.Future) -> None:
+        # A waiter cancelled by its task (``wait_for`` timing out) is dropped at once, so a
+        # long-lived request does not collect the futures of every closed loop that awaited it.
+        if future.cancelled():
+            with self._cond:
+                self._waiters = [(loop, f) for loop, f in self._waiters if f is not future]
 
     def outcome(self) -> list[Completion]:
         with self._cond:
@@ -165,6 +206,27 @@ class RequestHandle:
 
     close = cancel
 
+    def cancel_branches(self, branch_indices: Sequence[int]) -> None:
+        """Stop some branches and keep the rest: at the scheduler's next step their rows leave the
+        batch and their KV is freed; each comes back as a ``Completion`` with
+        ``finish_reason="cancelled"`` holding what it had generated. Indices of branches that have
+        finished already (or do not exist yet) are ignored. Never blocks.
+
+        Raises:
+            TypeError: ``branch_indices`` holds something other than ints.
+            ValueError: an index is negative.
+        """
+        indices = set()
+        for index in branch_indices:
+            if not isinstance(index, int) or isinstance(index, bool):
+                raise TypeError(f"branch_indices must hold ints, got {type(index).__name__}")
+            if index < 0:
+                raise ValueError(f"branch_indices must be >= 0, got {index}")
+            indices.add(index)
+        if indices and not self._channel.finished:
+            self._channel.cancel_branches(indices)
+            self._scheduler.wake()
+
     @property
     def cancelled(self) -> bool:
         return self._channel.cancelled.is_set()
@@ -190,16 +252,21 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[StreamChunk]:
         """Chunks as they are produced; the last chunk of each branch carries its ``Completion``.
-        Raises the request's error, if it failed, after the chunks that came before it."""
-        while True:
-            chunk, ended = self._channel.take()
-            if chunk is not None:
-                yield chunk
-            elif ended:
-                self._channel.outcome()  # raises the error of a failed or cancelled request
-                return
-            else:
-                self._scheduler.wait_for(self._channel, None)
+        Raises the request's error, if it failed, after the chunks that came before it. Leaving the
+        loop early (``break``, an exception, closing or dropping the iterator) cancels the request."""
+        try:
+            while True:
+                chunk, ended = self._channel.take()
+                if chunk is not None:
+                    yield chunk
+                elif ended:
+                    self._channel.outcome()  # raises the error of a failed or cancelled request
+                    return
+                else:
+                    self._scheduler.wait_for(self._channel, None)
+        finally:
+            if not self._channel.finished:
+                self.cancel()
 
     # -- asyncio consumers ----------------------------------------------------------------------
     def __await__(self):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import itertools
 import logging
 import secrets
@@ -40,7 +41,7 @@ import torch
 
 from .config import SamplingParams
 from .memory import ForwardOutOfMemoryError, is_out_of_memory
-from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
+from .requests import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .sampling import choose_next_tokens, make_generators
 from .shared_prefix import (
     ATTENTION_NAME,
@@ -49,7 +50,7 @@ from .shared_prefix import (
     attention_implementation,
     initial_suffix_capacity,
 )
-from .types import ASKSDecision, ChunkReuseDecision, Completion, StreamChunk
+from .types import ASKSDecision, BranchEvent, ChunkReuseDecision, Completion, StreamChunk
 
 if TYPE_CHECKING:
     from .engine import RKSCEngine
@@ -116,10 +117,29 @@ class _Request:
     # After a preemption: per branch, how many tokens and characters its stream already delivered, so
     # the recomputed branch (the same tokens: same prompt, same seeds) does not deliver them twice.
     delivered: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Branch control. A request whose monitor may add branches (max_branches > n) keeps its prompt's
+    # KV and last logits (``fork``) while it runs; each added wave decodes as a member request of its
+    # own (``owner`` set) that shares the owner's branches, generators, channel and radix lock.
+    monitor: BranchMonitor | None = None
+    max_branches: int = 0
+    owner: _Request | None = None
+    fork: tuple[Any, torch.Tensor] | None = None  # (prompt KV to fork from, (1, V) logits after the prompt)
+    live_members: int = 0  # on an owner: itself and its waves while they have rows
+    pending_stop: set[int] = field(default_factory=set)  # on an owner: branches to end before the next forward
 
     @property
     def shared(self) -> bool:
         return isinstance(self.cache, SharedPrefixCache)
+
+    @property
+    def head(self) -> _Request:
+        """The request the caller submitted (itself, or the owner of this wave)."""
+        return self.owner or self
+
+    @property
+    def preemptible(self) -> bool:
+        # A request that forks waves cannot start over: its monitor has seen its branches' tokens.
+        return self.owner is None and self.max_branches <= self.n
 
 
 class Scheduler:
@@ -142,17 +162,24 @@ class Scheduler:
         # Set by a preemption: the rows that last fitted, which admission respects until a request
         # finishes (else the preempted request would be re-admitted into the same shortage at once).
         self._rows_cap: int | None = None
+        # What is left of this step's prefill budget: the size of the next prefill pass.
+        self._pass_tokens = 0
+        self._spawned: list[_Request] = []  # waves added during the current decode
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
                logits_processor: LogitsProcessor | None,
-               segments: tuple[tuple[int, int], ...] | None = None) -> RequestHandle:
+               segments: tuple[tuple[int, int], ...] | None = None,
+               monitor: BranchMonitor | None = None, max_branches: int | None = None) -> RequestHandle:
         """Queue a validated request; returns its handle at once. ``segments``: the prompt cut at the
-        chunk separator, for retrieved-context reuse (``engine.prompt_segments``)."""
+        chunk separator, for retrieved-context reuse (``engine.prompt_segments``); ``monitor`` and
+        ``max_branches``: see ``RKSCEngine.submit``."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         channel = RequestChannel()
         request = _Request(next(self._ids), list(prompt_ids), n, params, channel, stream, logits_processor, seed)
         request.segments = segments
+        request.monitor = monitor
+        request.max_branches = n if max_branches is None else max_branches
         with self._cv:
             self._waiting.append(request)
             self._ensure_thread()
@@ -192,6 +219,12 @@ class Scheduler:
     def num_running_rows(self) -> int:
         return sum(len(r.active) for r in self._running)
 
+    @property
+    def num_running_requests(self) -> int:
+        """Submitted requests decoding now (a request's added waves count with it; a request whose
+        result is already delivered does not count)."""
+        return len({id(r.head) for r in self._running if r.head.live_members > 0 and not r.head.channel.finished})
+
     def running_kv_bytes(self) -> int:
         """Bytes of KV the running requests hold outside the prefix cache (each tensor counted once,
         however many requests or rows share it)."""
@@ -201,7 +234,7 @@ class Scheduler:
                 tensors = [layer.keys, layer.values]  # the branches' suffixes (or a DynamicCache's all)
                 segments = getattr(layer, "segments", [])
                 # Segments read in place from the radix cache are the cache's bytes, not the request's.
-                if request.locked_node is None:
+                if request.head.locked_node is None:
                     private = segments
                 else:
                     private = segments[len(segments) - request.num_private_segments:] if request.num_private_segments else []
@@ -245,12 +278,20 @@ class Scheduler:
                     if not self._has_work():
                         self._thread = None
                         return
-            with self._engine.exclusive():
-                if self._has_work():
-                    self.step()
+            try:
+                with self._engine.exclusive():
+                    if self._has_work():
+                        self.step()
+            except BaseException:  # noqa: BLE001 - the step failed its requests; keep serving the rest
+                logger.exception("a scheduler step raised a BaseException; its requests were failed")
 
     def step(self) -> None:
-        """One scheduling step (the caller holds the engine lock)."""
+        """One scheduling step (the caller holds the engine lock).
+
+        An error no request could absorb fails the requests it touched (running and prefilling)
+        and leaves the engine usable. A ``BaseException`` (``SystemExit`` or ``KeyboardInterrupt``
+        from a user's hook, say) fails them the same way, then propagates to whoever drove the
+        step: their callers are never left waiting for a step that will not come."""
         self._stepping = True
         try:
             self._reap_cancelled()
@@ -258,34 +299,51 @@ class Scheduler:
             if self._running:
                 self._decode()
             self.num_steps += 1
-        except Exception as error:  # a bug or an unrecoverable fault: fail what is running, stay usable
+        except BaseException as error:
             logger.exception("scheduler step failed; failing the %d running requests", len(self._running))
-            for request in [*self._running, *self._prefilling]:
-                self._release(request)
-                request.channel.fail(error)
+            failure = _as_failure(error)
+            for request in [*self._running, *self._prefilling, *self._spawned]:
+                self._fail(request, failure)
+            self._spawned = []
             self._running, self._prefilling = [], []
+            self._rows_cap = None
+            if not isinstance(error, Exception):
+                raise
         finally:
             self._stepping = False
+            try:
+                self._engine.publish_stats()
+            except Exception:  # the counters are a convenience; a failure here must not fail a step
+                logger.exception("could not publish the engine's stats")
 
+    @torch.inference_mode()
     def _reap_cancelled(self) -> None:
+        """Drop cancelled requests, and end the branches their callers or monitors asked to stop.
+        Each request is handled on its own: what goes wrong with one never reaches the others."""
         with self._cv:
             waiting = [r for r in self._waiting if r.channel.cancelled.is_set()]
             for request in waiting:
                 self._waiting.remove(request)
         for request in waiting:
-            request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
+            self._fail(request, RequestCancelled(f"request {request.request_id} was cancelled"))
         for request in [r for r in self._prefilling if r.channel.cancelled.is_set()]:
             self._prefilling.remove(request)
-            self._release(request)
-            request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
-        kept = []
-        for request in self._running:
-            if request.channel.cancelled.is_set():
-                self._release(request)
-                request.channel.fail(RequestCancelled(f"request {request.request_id} was cancelled"))
-            else:
-                kept.append(request)
-        self._running = kept
+            self._fail(request, RequestCancelled(f"request {request.request_id} was cancelled"))
+        for request in list(self._running):
+            head = request.head
+            try:
+                if head.channel.cancelled.is_set():
+                    self._fail(request, RequestCancelled(f"request {head.request_id} was cancelled"))
+                    continue
+                if request.owner is None:
+                    asked = head.channel.take_branch_cancellations()
+                    if asked:
+                        head.pending_stop |= asked & {b for r in self._running if r.head is head for b in r.active}
+                if head.pending_stop and not self._stop_branches(request):
+                    self._member_done(request)
+            except Exception as error:
+                self._fail(request, error)
+        self._running = [r for r in self._running if r.active and not r.head.channel.finished]
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -314,20 +372,28 @@ class Scheduler:
             try:
                 request.shared_prefix = engine.decodes_with_shared_prefix()  # may refuse (forced but unsupported)
             except Exception as error:  # this request fails, nothing counted; the others go on
-                self._release(request)
-                request.channel.fail(error)
+                self._fail(request, error)
                 continue
             request.admissions += 1
             if request.admissions == 1:
                 engine.count("requests")
-            request.prefill = engine.prefill_steps(request.prompt_ids, config.max_prefill_tokens, request.segments)
+            request.prefill = engine.prefill_steps(request.prompt_ids, self._next_pass_tokens, request.segments)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
 
+    def _next_pass_tokens(self) -> int:
+        return self._pass_tokens
+
     def _prefill_more(self, request: _Request, budget: int) -> int:
-        """Run ``request``'s next prefill pass (at most ``max_prefill_tokens`` tokens); when the prompt
-        is done, fan it out to its branches and take their first tokens. Returns the tokens computed."""
+        """Run ``request``'s next prefill pass, of at most ``budget`` new tokens (what is left of the
+        step's ``max_prefill_tokens``); when the prompt is done, fan it out to its branches and take
+        their first tokens. Returns the tokens computed.
+
+        Out of memory in a pass, while other requests hold memory, puts the request back at the
+        head of the queue (its prefix unlocked, nothing of it kept) until one of them finishes;
+        alone, nothing else could make room, so it fails."""
         self._prefilling.remove(request)
+        self._pass_tokens = budget
         try:
             computed = next(request.prefill)
         except StopIteration as done:
@@ -335,19 +401,41 @@ class Scheduler:
             try:
                 self._start(request, done.value)
             except Exception as error:
-                self._release(request)
-                request.channel.fail(error)
+                if not self._requeue_after_oom(request, error):
+                    self._fail(request, error)
+            except BaseException as error:
+                self._fail(request, _as_failure(error))
+                raise
             last_pass = len(request.prompt_ids) - request.num_cached_tokens - request.prefill_done
             request.prefill_done = 0
             return max(1, last_pass)
         except Exception as error:
             request.prefill = None
-            self._release(request)
-            request.channel.fail(error)
+            if not self._requeue_after_oom(request, error):
+                self._fail(request, error)
             return budget
+        except BaseException as error:  # in neither list now: fail it here, or its caller waits forever
+            request.prefill = None
+            self._fail(request, _as_failure(error))
+            raise
         request.prefill_done += computed
         self._prefilling.append(request)  # more passes to go, in later steps
         return computed
+
+    def _requeue_after_oom(self, request: _Request, error: BaseException) -> bool:
+        """Put a request whose prefill ran out of memory back at the head of the queue, when other
+        requests hold memory that their finishing will free. Returns whether it did."""
+        if not _is_oom(error) or not (self._running or self._prefilling):
+            return False
+        self._release(request)
+        request.prefill_done = 0
+        request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
+        self._rows_cap = self.num_running_rows
+        self.num_preemptions += 1
+        self._engine.count("preemptions")
+        with self._cv:
+            self._waiting.appendleft(request)
+        return True
 
     @torch.inference_mode()
     def _start(self, request: _Request, prefilled: Any) -> None:
@@ -356,19 +444,66 @@ class Scheduler:
         request.num_cached_tokens = prefilled.num_cached_tokens
         request.exact, request.asks = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
+        forks = request.max_branches > request.n
+        template = copy.deepcopy(prefilled.cache) if forks and not request.shared_prefix else None
         request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
                                            request=request if prefilled.exact else None)
+        if forks:
+            # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
+            # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
+            prompt_kv = ([list(layer.segments) for layer in request.cache.layers] if request.shared
+                         else template)
+            request.fork = (prompt_kv, prefilled.last_logits)
         request.branches = [_Branch(i) for i in range(request.n)]
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.delivered.get(branch.index, (0, 0))
         request.active = list(range(request.n))
         if not request.params.greedy:
             request.generators = make_generators(request.seed, request.n, engine.device)
+        request.live_members = 1
         logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
         if self._advance(request, logits):
             self._running.append(request)
+        self._running += self._take_spawned()
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
+
+    def _spawn(self, owner: _Request, count: int) -> None:
+        """Add ``count`` branches to ``owner``, forked off its prompt, as a wave that decodes from the
+        next step on. They take the next indices, so branch ``i`` is seeded ``seed + i`` and draws
+        the same tokens as it would have in the first wave."""
+        first = len(owner.branches)
+        count = min(count, owner.max_branches - first)
+        if count <= 0 or owner.fork is None:
+            return
+        prompt_kv, last_logits = owner.fork
+        wave = _Request(next(self._ids), owner.prompt_ids, count, owner.params, owner.channel, owner.stream,
+                        owner.logits_processor, owner.seed)
+        wave.owner = owner
+        wave.shared_prefix, wave.max_new, wave.max_branches = owner.shared_prefix, owner.max_new, count
+        wave.num_cached_tokens, wave.exact, wave.asks = owner.num_cached_tokens, owner.exact, owner.asks
+        wave.num_private_segments = owner.num_private_segments
+        if isinstance(prompt_kv, list):
+            wave.cache = SharedPrefixCache.from_segments(prompt_kv, count,
+                                                         suffix_capacity=initial_suffix_capacity(owner.max_new))
+        else:
+            wave.cache = copy.deepcopy(prompt_kv)
+            if count > 1:
+                wave.cache.batch_repeat_interleave(count)
+        owner.branches.extend(_Branch(first + j) for j in range(count))
+        if not owner.params.greedy:
+            owner.generators.extend(make_generators(owner.seed + first, count, self._engine.device))
+        wave.branches, wave.generators = owner.branches, owner.generators  # shared with the owner
+        wave.active = list(range(first, first + count))
+        owner.live_members += 1
+        self._engine.count("branches_added", count)
+        logits = last_logits if count == 1 else last_logits.expand(count, -1)
+        if self._advance(wave, logits):
+            self._spawned.append(wave)
+
+    def _take_spawned(self) -> list[_Request]:
+        spawned, self._spawned = self._spawned, []
+        return [r for r in spawned if r.active and not r.head.channel.finished]
 
     def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool, request: _Request | None = None
                       ) -> Any:
@@ -416,14 +551,31 @@ class Scheduler:
             self._waiting.appendleft(request)
 
     def _release(self, request: _Request) -> None:
-        """Drop a request's KV and unlock the radix nodes it read (exactly once)."""
+        """Drop a request's KV and unlock the radix nodes it read (exactly once). A wave releases
+        only its own rows; its owner holds the prompt and the lock for all of them."""
         if request.prefill is not None:  # mid-prefill: closing it unlocks the prefix it matched
             request.prefill.close()
             request.prefill = None
         request.cache = None
+        request.active = []
+        if request.owner is not None:
+            return
+        request.fork = None
         if request.locked_node is not None:
             self._engine.prefix_cache.unlock(request.locked_node)
             request.locked_node = None
+
+    def _fail(self, request: _Request, error: BaseException) -> None:
+        """Fail the submitted request ``request`` belongs to, with all its waves, and free their KV.
+        Never raises: a failure must not spread to the requests processed after it."""
+        head = request.head
+        try:
+            for member in [r for r in [*self._running, *self._spawned] if r.head is head]:
+                self._release(member)
+            self._release(head)
+        except Exception:
+            logger.exception("could not release the KV of request %d", head.request_id)
+        head.channel.fail(error)
 
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -440,71 +592,150 @@ class Scheduler:
                     out = engine.forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
                                           **cache.forward_kwargs())
             except Exception as error:
-                if (isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)) and len(batched) > 1:
-                    # Out of memory even after evicting and retrying (every cache was rolled back):
-                    # preempt the newest request, to be recomputed when there is room; the rest go on.
-                    victim = max(batched, key=lambda r: r.request_id)
+                # Out of memory even after evicting and retrying (every cache was rolled back):
+                # preempt the newest request, to be recomputed when there is room; the rest go on.
+                victim = self._oom_victim(error)
+                if victim is None:
+                    for request in batched:
+                        self._fail(request, error)
+                else:
                     self._preempt(victim)
                     still_running += [r for r in batched if r is not victim]
-                    self._rows_cap = sum(len(r.active) for r in batched if r is not victim)
-                else:
-                    for request in batched:
-                        self._release(request)
-                        request.channel.fail(error)
+                    self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
             else:
                 logits = out.logits[:, -1, :]  # (B, V)
                 for request, (start, stop) in zip(batched, cache.row_ranges):
                     if self._advance_or_fail(request, logits[start:stop]):
                         still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
+            if request.head.channel.finished or not request.active:
+                continue
             try:
                 out = engine.forward(request.next_tokens[:, None], request.cache)
             except Exception as error:
-                self._release(request)
-                request.channel.fail(error)
+                victim = self._oom_victim(error)
+                if victim is None:
+                    self._fail(request, error)
+                else:
+                    self._preempt(victim)
+                    self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
+                    if victim is not request:
+                        still_running.append(request)
                 continue
             if self._advance_or_fail(request, out.logits[:, -1, :]):
                 still_running.append(request)
         kept = {id(r) for r in still_running}
-        self._running = [r for r in self._running if id(r) in kept]
+        self._running = [r for r in self._running if id(r) in kept and r.active and not r.head.channel.finished]
+        self._running += self._take_spawned()
+
+    def _oom_victim(self, error: BaseException) -> _Request | None:
+        """The request to preempt after ``error``: the newest that can start over, when it is out of
+        memory and another request would go on; None when the error is to fail its requests."""
+        if not _is_oom(error) or len(self._running) < 2:
+            return None
+        candidates = [r for r in self._running if r.preemptible and r.active]
+        return max(candidates, key=lambda r: r.request_id) if candidates else None
 
     def _advance_or_fail(self, request: _Request, logits: torch.Tensor) -> bool:
-        """``_advance``, but an error (a failing logits processor, say) fails this request alone."""
+        """``_advance``, but an error (a failing logits processor or monitor, say) fails this request alone."""
+        if request.head.channel.finished or not request.active:  # failed earlier in this step
+            return False
         try:
             return self._advance(request, logits)
-        except Exception as error:
-            self._release(request)
-            request.channel.fail(error)
+        except KeyboardInterrupt:  # the user's Ctrl-C, delivered to a thread driving the step: stop it
+            raise
+        except BaseException as error:  # noqa: BLE001 - a request's own hook fails that request alone
+            self._fail(request, _as_failure(error))
             return False
 
     def _advance(self, request: _Request, logits: torch.Tensor) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
-        it, stream it, retire finished branches. Returns whether the request still runs."""
-        engine, params = self._engine, request.params
+        it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
+        the request (this wave, for an added one) still has rows."""
+        engine, params, head = self._engine, request.params, request.head
         if request.logits_processor is not None:
             logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
         generators = [request.generators[b] for b in request.active] if request.generators else []
         tokens, logprobs = choose_next_tokens(logits, params, generators)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        for row, b in enumerate(request.active):
+            self._append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new)
+        engine.count("decode_tokens", len(request.active))
+        if head.monitor is not None:
+            events = [BranchEvent(b, token_list[row], logprob_list[row], len(request.branches[b].token_ids),
+                                  request.branches[b].text,
+                                  self._completion(request, request.branches[b])
+                                  if request.branches[b].finish_reason is not None else None)
+                      for row, b in enumerate(request.active)]
+            control = head.monitor.observe(events)
+            if control is not None:
+                running = {b for r in [*self._running, *self._spawned, request] if r.head is head for b in r.active}
+                head.pending_stop |= set(control.stop) & running
+                if control.add:
+                    self._spawn(head, int(control.add))
+        if request.stream:
+            for b in request.active:  # a branch stopped by the monitor ends in _stop_branches
+                if request.branches[b].finish_reason is not None or b not in head.pending_stop:
+                    self._emit(request, request.branches[b])
+        request.next_tokens = tokens
+        if not self._stop_branches(request):
+            self._member_done(request)
+            return False
+        return True
+
+    def _stop_branches(self, request: _Request) -> bool:
+        """Retire ``request``'s finished rows, and end (``"cancelled"``) those its owner was asked to
+        stop; its cache keeps only the rows that go on. Returns whether any row is left."""
+        head = request.head
         keep_rows = []
         for row, b in enumerate(request.active):
             branch = request.branches[b]
-            self._append_token(branch, token_list[row], logprob_list[row], params, request.max_new)
+            if branch.finish_reason is None and b in head.pending_stop:
+                branch.finish_reason = "cancelled"
+                self._engine.count("branches_cancelled")
+                if request.stream:
+                    self._emit(request, branch)
             if branch.finish_reason is None:
                 keep_rows.append(row)
-            if request.stream:
-                self._emit(request, branch)
-        engine.count("decode_tokens", len(request.active))
+        head.pending_stop -= set(request.active)
         if not keep_rows:
-            self._finish(request)
+            request.active = []
             return False
         if len(keep_rows) < len(request.active):
-            index = torch.tensor(keep_rows, device=engine.device)
+            index = torch.tensor(keep_rows, device=self._engine.device)
             request.cache.batch_select_indices(index)
-            tokens = tokens[index]
+            if request.next_tokens is not None and request.next_tokens.shape[0] == len(request.active):
+                request.next_tokens = request.next_tokens[index]
             request.active = [request.active[r] for r in keep_rows]
-        request.next_tokens = tokens
         return True
+
+    def _member_done(self, request: _Request) -> None:
+        """``request`` (the submitted request or one of its waves) has no rows left: free its rows' KV
+        and, once no wave of the submitted request is left, finish it."""
+        head = request.head
+        head.live_members -= 1
+        if request is not head or head.live_members > 0:
+            request.cache = None  # the prompt lives on in the owner's fork for the other waves
+        if head.live_members > 0:
+            return
+        self._finish(head)
+
+    def _finish(self, request: _Request) -> None:
+        self._rows_cap = None  # rows have freed up: admit up to the configured batch again
+        if request.n == 1 and request.exact and len(request.branches) == 1 and request.cache is not None:
+            # approximate (ASKS) KV never enters the exact cache
+            try:
+                self._engine.cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
+            except Exception:  # caching is an optimisation: the request's answer stands without it
+                logger.exception("could not cache the KV of request %d's answer", request.request_id)
+        self._release(request)
+        completions = [self._completion(request, b) for b in request.branches]
+        self._engine.request_finished()
+        try:
+            self._engine.publish_stats()  # before the caller wakes, so its stats() sees this request
+        except Exception:
+            logger.exception("could not publish the engine's stats")
+        request.channel.finish(completions)
 
     def _append_token(self, branch: _Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
         engine = self._engine
@@ -540,17 +771,6 @@ class Scheduler:
                                          completion, branch_index=branch.index))
         branch.emitted_chars, branch.pending_ids = len(completion.text), []
 
-    def _finish(self, request: _Request) -> None:
-        self._rows_cap = None  # rows have freed up: admit up to the configured batch again
-        if request.n == 1 and request.exact:  # approximate (ASKS) KV never enters the exact cache
-            try:
-                self._engine.cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
-            except Exception:  # caching is an optimisation: the request's answer stands without it
-                logger.exception("could not cache the KV of request %d's answer", request.request_id)
-        self._release(request)
-        request.channel.finish([self._completion(request, b) for b in request.branches])
-        self._engine.request_finished()
-
     def _completion(self, request: _Request, branch: _Branch) -> Completion:
         return Completion(
             text=branch.text,
@@ -563,6 +783,21 @@ class Scheduler:
             seed=request.seed,
             asks=request.asks,
         )
+
+
+def _as_failure(error: BaseException) -> BaseException:
+    """The error a failed request's caller receives: ``error`` itself, or, for a ``BaseException``
+    that is not an ``Exception`` (``SystemExit`` from a hook), a ``RuntimeError`` caused by it, so a
+    caller's ``result()`` does not exit its thread."""
+    if isinstance(error, Exception):
+        return error
+    failure = RuntimeError(f"the scheduler step was interrupted by {type(error).__name__}: {error}")
+    failure.__cause__ = error
+    return failure
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
