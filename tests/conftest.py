@@ -35,24 +35,34 @@ def radix_kv(token_ids):
     return t
 
 
-async def ticks_during(awaitable, interval: float = 0.01) -> tuple[object, int]:
-    """Await ``awaitable`` while a ticker task counts event-loop turns every ``interval`` seconds;
-    returns ``(result, ticks)``. A call that blocks the loop lets the ticker run about once."""
-    ticks = 0
-    done = asyncio.Event()
+async def loop_turns_while_engine_held(engine, awaitable, turns: int = 50) -> tuple[object, bool]:
+    """Await ``awaitable`` while another thread holds ``engine`` (``exclusive()``), so it cannot
+    finish yet; meanwhile this coroutine takes ``turns`` turns of the event loop, then lets go of the
+    engine. Returns ``(result, loop_was_free)``: whether those turns all ran before the engine was
+    released. A call that blocks the loop thread on the engine stops every other coroutine until the
+    holder gives up (after 60 s), so it reads False. Order decides, not time."""
+    import threading
 
-    async def ticker():
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(interval)
+    held, release = threading.Event(), threading.Event()
 
-    task = asyncio.create_task(ticker())
+    def hold():
+        with engine.exclusive():
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(60), "the holder thread never got the engine"
+    task = asyncio.ensure_future(awaitable)
     try:
-        return await awaitable, ticks
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        loop_was_free = not release.is_set() and not task.done()
     finally:
-        done.set()
-        await task
+        release.set()
+    result = await task
+    holder.join(60)
+    return result, loop_was_free
 
 
 def make_char_tokenizer():

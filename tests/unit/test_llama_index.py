@@ -7,7 +7,6 @@ import dataclasses
 import subprocess
 import sys
 import threading
-import time
 from typing import Literal
 
 import pytest
@@ -39,7 +38,7 @@ from rksc_integrations.llama_index import (  # noqa: E402
 )
 from rksc_integrations.llama_index.branches import decide  # noqa: E402
 from rksc_integrations.llama_index.messages import parse_tool_calls, to_engine_messages  # noqa: E402
-from tests.conftest import make_char_tokenizer, make_tiny_model, ticks_during  # noqa: E402
+from tests.conftest import loop_turns_while_engine_held, make_char_tokenizer, make_tiny_model  # noqa: E402
 
 
 class Recorder(BaseEventHandler):
@@ -221,37 +220,23 @@ def test_llama_index_callbacks_see_every_endpoint(tiny_engine):
 
 
 # -- async --------------------------------------------------------------------------------------
-def _slow(engine, monkeypatch, delay: float = 0.03):
-    """Make every model pass block the engine's thread (as a real model does), so a loop that waited
-    on the engine would show."""
-    forward = engine.model.forward
-
-    def slow_forward(*args, **kwargs):
-        time.sleep(delay)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.model, "forward", slow_forward)
-
-
-def test_acomplete_does_not_block_the_event_loop(llm, tiny_engine, monkeypatch):
+def test_acomplete_does_not_block_the_event_loop(llm, tiny_engine):
     expected = llm.complete("hello").text
-    _slow(tiny_engine, monkeypatch)
-    response, ticks = asyncio.run(ticks_during(llm.acomplete("hello")))
+    response, loop_was_free = asyncio.run(loop_turns_while_engine_held(tiny_engine, llm.acomplete("hello")))
     assert response.text == expected
-    assert ticks >= 10  # the engine slept 0.3 s in its thread; a blocked loop would tick once
+    assert loop_was_free, "acomplete blocked the event loop while it waited for the engine"
 
 
-def test_astream_complete_streams_tokens_without_blocking_the_loop(llm, tiny_engine, monkeypatch):
+def test_astream_complete_streams_tokens_without_blocking_the_loop(llm, tiny_engine):
     expected = llm.complete("hello").text
-    _slow(tiny_engine, monkeypatch)
 
     async def consume():
         return [r async for r in await llm.astream_complete("hello")]
 
-    pieces, ticks = asyncio.run(ticks_during(consume()))
+    pieces, loop_was_free = asyncio.run(loop_turns_while_engine_held(tiny_engine, consume()))
     assert pieces[-1].text == expected and "".join(p.delta for p in pieces) == expected
     assert len(pieces) > 2
-    assert ticks >= 10
+    assert loop_was_free, "astream_complete blocked the event loop while it waited for the engine"
 
 
 def test_an_abandoned_async_stream_releases_the_engine(llm, tiny_engine):

@@ -7,7 +7,6 @@ import asyncio
 import threading
 
 import pytest
-import torch
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
