@@ -462,7 +462,7 @@ class Scheduler:
             request.generators = make_generators(request.seed, request.n, engine.device)
         request.live_members = 1
         logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
-        if self._advance(request, logits):
+        if self._advance_or_fail(request, logits):
             self._running.append(request)
         self._running += self._take_spawned()
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
@@ -498,7 +498,7 @@ class Scheduler:
         owner.live_members += 1
         self._engine.count("branches_added", count)
         logits = last_logits if count == 1 else last_logits.expand(count, -1)
-        if self._advance(wave, logits):
+        if self._advance_or_fail(wave, logits):
             self._spawned.append(wave)
 
     def _take_spawned(self) -> list[_Request]:
