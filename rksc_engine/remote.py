@@ -17,12 +17,24 @@ Contract:
     * ``stats()`` is an ``EngineStats`` filled from the servers' ``usage``: requests, prompt tokens
       computed and reused (cached), decode tokens, cache hits and misses. Cache bytes and the batch
       are the server's and stay 0.
-    * Transport: 429, 502, 503, 504 and timeouts are retried with exponential backoff (``tenacity``,
-      ``max_retries`` times); a refused connection raises ``ConnectionError`` naming the URL at once;
-      a 400 is a ``ValueError`` with the server's message (401/403 ``PermissionError``).
-    * Cancelling a streamed request closes its connection (``rksc serve`` then frees the request's
-      KV); cancelling a request that is not streamed stops waiting for it at once, but the server
-      finishes it.
+    * Transport: every request is streamed from the server (``stream: true``, assembled here when
+      the caller did not ask for a stream), so bytes keep flowing while it generates and ``timeout``
+      bounds only the silence between them. A request is sent again only when it cannot have
+      started any work: a failed connect, a 429 or a 503 (after the server's ``Retry-After`` when
+      it names one of at most 120 s, else exponential backoff; ``max_retries`` times; a longer
+      ``Retry-After`` fails at once). Once it may have reached the server it is never sent again,
+      since each resend of a generation could be one more generation there: a read timeout raises
+      ``TimeoutError``, a connection dropped mid-answer ``ConnectionError``, another 5xx
+      ``RemoteServerError``. A 400 is a ``ValueError`` with the server's message (401/403
+      ``PermissionError``).
+    * Cancelling a request (``handle.cancel()``, cancelling the task that awaits it, leaving its
+      stream, ``close()``) shuts its connection at once, so the server sees the client go and
+      stops generating (``rksc serve`` frees the request's KV), and its worker thread ends. A
+      request cancelled before the server has sent its response headers is cut off when they
+      arrive.
+    * Requests run on daemon threads, at most ``max_concurrency`` at once, that exist only while
+      requests are queued or in flight: an engine that is never closed does not hold up the
+      interpreter's exit.
     * What only a local engine can do raises ``NotImplementedError`` saying so: logits processors,
       ``tree_search`` (it annotates the local radix cache), ``reason`` (its verifier reads the
       model's hidden states), prefill and cache control, ASKS and RSBCM settings.
@@ -33,22 +45,29 @@ extras, and with ``pip install httpx``); the rest of ``rksc_engine`` does not ne
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import email.utils
 import itertools
 import json
+import socket
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
-
-import tenacity
 
 from .config import SamplingParams, check_request_shape
 from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle, astream_chunks, stream_chunks
 from .types import Completion, EngineStats, FinishReason, StreamChunk
 
-# Statuses worth retrying: rate limited, or a server (or its proxy) briefly unavailable.
-TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+# Statuses that say the server turned the request away before working on it: rate limited, or
+# unavailable. A 500, 502 or 504 may come after the generation started (a proxy's 504 certainly
+# does), so sending again could run it twice.
+RETRYABLE_STATUS = frozenset({429, 503})
+# The longest ``Retry-After`` waited for (the OpenAI client's limit): a server that asks for more is
+# not coming back soon, and a worker parked for minutes helps nobody.
+MAX_RETRY_AFTER_S = 120.0
+MAX_BACKOFF_S = 30.0
 LOCAL_ONLY = ("it needs a local RKSCEngine: over an OpenAI-compatible API the model, its KV and its prefix cache "
               "are the server's")
 
@@ -65,14 +84,6 @@ class RemoteServerError(RuntimeError):
         self.status_code = status_code
 
 
-class _Transient(Exception):
-    """A retryable status (429/502/503/504); becomes ``RemoteServerError`` when the retries run out."""
-
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-
-
 class RemoteEngine:
     """The engine's generation API over an OpenAI-compatible server.
 
@@ -80,10 +91,15 @@ class RemoteEngine:
         base_url: The API root as OpenAI clients take it, e.g. ``"http://127.0.0.1:8000/v1"``.
         model: The model id to ask for; None takes the first one ``GET /models`` lists.
         api_key: Sent as ``Authorization: Bearer <api_key>``.
-        timeout: Seconds to wait to connect and between bytes of an answer (> 0).
-        max_retries: Retries of a 429/502/503/504 or a timeout (>= 0). Default 3.
-        retry_backoff_s: First wait between tries, doubling each retry (>= 0). Default 0.5.
+        timeout: Seconds to wait to connect and between bytes of an answer (> 0). Answers are
+            streamed, so this bounds the server's silence, not the length of a generation.
+        max_retries: Retries of a request that cannot have started: a failed connect, a 429 or a
+            503 (>= 0). Default 3.
+        retry_backoff_s: First wait between tries when the server names none (``Retry-After``),
+            doubling each retry (>= 0). Default 0.5.
         max_concurrency: Requests in flight at once (>= 1); more wait their turn. Default 64.
+        transport: The ``httpx`` transport to send through (an ``httpx.HTTPTransport`` with its own
+            proxy or TLS settings); None: httpx's, with ``max_concurrency`` connections.
 
     Example:
         >>> engine = RemoteEngine("http://127.0.0.1:8000/v1")
@@ -91,7 +107,8 @@ class RemoteEngine:
     """
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 60.0,
-                 *, max_retries: int = 3, retry_backoff_s: float = 0.5, max_concurrency: int = 64) -> None:
+                 *, max_retries: int = 3, retry_backoff_s: float = 0.5, max_concurrency: int = 64,
+                 transport: Any = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8000/v1', got {base_url!r}")
         for name, value in (("model", model), ("api_key", api_key)):
@@ -114,9 +131,11 @@ class RemoteEngine:
         self.max_retries = max_retries
         self.retry_backoff_s = float(retry_backoff_s)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=self.timeout, headers=headers,
+        self._client = httpx.Client(timeout=self.timeout, headers=headers, transport=transport,
                                     limits=httpx.Limits(max_connections=max_concurrency))
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rksc-remote")
+        self._workers = _Workers(max_concurrency, "rksc-remote")
+        self._calls: set[_Call] = set()  # queued or in flight, for ``close`` to cancel
+        self._calls_lock = threading.Lock()
         self._model = model
         self._model_lock = threading.Lock()
         self._stats = EngineStats()
@@ -129,7 +148,11 @@ class RemoteEngine:
         """The model id requests name: ``model``, or the first one the server lists."""
         with self._model_lock:
             if self._model is None:
-                response = self._send("GET", "models", None, stream=False)
+                response = self._send("GET", "models", None, None)
+                try:
+                    response.read()
+                finally:
+                    response.close()
                 data = response.json().get("data") or []
                 if not data:
                     raise RemoteServerError(f"{self.base_url}/models lists no model; pass model=", response.status_code)
@@ -152,12 +175,17 @@ class RemoteEngine:
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
         path, body = _prompt_body(prompt)
         params = check_request_shape(n, params)
-        body.update(_sampling_body(path, n, params, stream))
-        channel = RequestChannel()
-        request_id = next(self._ids)
-        handle = RequestHandle(request_id, None, n, channel, _Waiter(channel, request_id))
-        self._pool.submit(self._run, channel, request_id, path, body, n, params, stream)
-        return handle
+        body.update(_sampling_body(path, n, params))
+        call = _Call(RequestChannel(), next(self._ids))
+        with self._calls_lock:
+            self._calls.add(call)
+        try:
+            self._workers.submit(lambda: self._run(call, path, body, n, params, stream))
+        except RuntimeError:
+            with self._calls_lock:
+                self._calls.discard(call)
+            raise
+        return RequestHandle(call.request_id, None, n, call.channel, _Waiter(call))
 
     def generate(self, prompt: Any, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""
@@ -258,8 +286,14 @@ class RemoteEngine:
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop sending: requests not yet sent are dropped, the connections closed."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Cancel every request queued or in flight (their handles raise ``RequestCancelled``, their
+        connections are shut so the servers stop) and close the connections. Idempotent; later
+        ``submit`` calls raise ``RuntimeError``."""
+        self._workers.close()
+        with self._calls_lock:
+            calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()
         self._client.close()
 
     def __enter__(self) -> RemoteEngine:
@@ -269,110 +303,222 @@ class RemoteEngine:
         self.close()
 
     # -- transport ------------------------------------------------------------------------------
-    def _run(self, channel: RequestChannel, request_id: int, path: str, body: dict, n: int,
-             params: SamplingParams, stream: bool) -> None:
+    def _run(self, call: _Call, path: str, body: dict, n: int, params: SamplingParams, stream: bool) -> None:
         """Worker thread: send one request, fill its channel."""
         try:
-            if channel.cancelled.is_set():
-                raise RequestCancelled(f"request {request_id} was cancelled")
+            call.check()
             body["model"] = self.model_name
-            response = self._send("POST", path, json.dumps(body).encode(), stream=stream)
-            if stream:
-                completions, usage = self._read_stream(response, channel, request_id, path, n, params)
-            else:
+            response = self._send("POST", path, json.dumps(body).encode(), call)
+            try:
+                call.attach(response)
+                completions, usage = self._read_answer(response, call, path, n, params, stream)
+            finally:
+                call.detach()  # before the connection can go back to the pool for another request
+                response.close()
+            self._count(usage)
+            call.channel.finish(completions)
+        except BaseException as error:  # whatever failed the request is its caller's to see
+            # Once cancelled, the error (a connection shut under the reader) is the cancellation's doing.
+            call.channel.fail(call.cancelled_error() if call.channel.cancelled.is_set() else error)
+        finally:
+            with self._calls_lock:
+                self._calls.discard(call)
+
+    def _read_answer(self, response: Any, call: _Call, path: str, n: int, params: SamplingParams,
+                     stream: bool) -> tuple[list[Completion], dict | None]:
+        """Assemble the answer, pushing each delta as a ``StreamChunk`` when the caller streams; then
+        each branch's last chunk, with its ``Completion``, once the usage is known."""
+        url = f"{self.base_url}/{path}"
+        choices: dict[int, _Choice] = {}
+        usage, streamed, ended = None, False, False
+        try:
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                # A server that ignores ``stream`` answers whole.
+                response.read()
                 payload = response.json()
-                usage = payload.get("usage")
-                choices: dict[int, _Choice] = {}
+                usage, ended = payload.get("usage"), True
                 for i, choice in enumerate(payload.get("choices") or []):
                     index = int(choice.get("index", i))
                     choices.setdefault(index, _Choice(index)).add(choice, path, delta=False)
-                completions = _completions(choices, n, params, usage)
-                for c in completions:
-                    channel.push(StreamChunk(c.text, completion=c, branch_index=c.branch_index))
-            self._count(usage)
-            channel.finish(completions)
-        except BaseException as error:  # whatever failed the request is its caller's to see
-            channel.fail(error)
-
-    def _read_stream(self, response: Any, channel: RequestChannel, request_id: int, path: str, n: int,
-                     params: SamplingParams) -> tuple[list[Completion], dict | None]:
-        """Push each streamed delta as a ``StreamChunk``; the branches' last chunks (with their
-        ``Completion``) once the stream has ended and the usage is known."""
-        choices: dict[int, _Choice] = {}
-        usage, ended = None, False
-        try:
-            for line in response.iter_lines():
-                if channel.cancelled.is_set():
-                    raise RequestCancelled(f"request {request_id} was cancelled")
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    ended = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise RemoteServerError(f"{self.base_url}/{path}: {_message(event)}", 0)
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    index = int(choice.get("index", 0))
-                    text = choices.setdefault(index, _Choice(index)).add(choice, path, delta=True)
-                    if text:
-                        channel.push(StreamChunk(text, branch_index=index))
+            else:
+                streamed = stream
+                for line in response.iter_lines():
+                    call.check()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        ended = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise RemoteServerError(f"{url}: {_message(event)}", 0)
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or []:
+                        index = int(choice.get("index", 0))
+                        text = choices.setdefault(index, _Choice(index)).add(choice, path, delta=True)
+                        if text and stream:
+                            call.channel.push(StreamChunk(text, branch_index=index))
+        except self._httpx.TimeoutException as error:
+            raise TimeoutError(f"{url} sent nothing for {self.timeout} s; not sent again, since the server may "
+                               f"still be generating: {error}") from error
         except self._httpx.TransportError as error:
-            raise ConnectionError(f"the stream from {self.base_url}/{path} broke off: {error}") from error
-        finally:
-            response.close()
+            raise ConnectionError(f"the answer from {url} broke off: {error}") from error
         if not ended:
-            raise ConnectionError(f"the stream from {self.base_url}/{path} ended before 'data: [DONE]'")
+            raise ConnectionError(f"the stream from {url} ended before 'data: [DONE]'")
         completions = _completions(choices, n, params, usage)
         for c in completions:
-            channel.push(StreamChunk("", completion=c, branch_index=c.branch_index))
+            call.channel.push(StreamChunk("" if streamed else c.text, completion=c, branch_index=c.branch_index))
         return completions, usage
 
-    def _send(self, method: str, path: str, content: bytes | None, *, stream: bool) -> Any:
-        """One HTTP exchange, retried on 429/502/503/504 and timeouts; errors mapped to Python's."""
+    def _send(self, method: str, path: str, content: bytes | None, call: _Call | None) -> Any:
+        """One HTTP exchange up to its response headers (the body is left to read). Sent again only
+        when it cannot have reached the server's work: a failed connect, a 429 or a 503. Errors are
+        mapped to Python's."""
         httpx, url = self._httpx, f"{self.base_url}/{path}"
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type((_Transient, httpx.TimeoutException)),
-            stop=tenacity.stop_after_attempt(self.max_retries + 1),
-            wait=tenacity.wait_exponential(multiplier=self.retry_backoff_s, max=30.0),
-            reraise=True,
-        )
-        try:
-            for attempt in retrying:
-                with attempt:
-                    request = self._client.build_request(method, url, content=content,
-                                                         headers={"Content-Type": "application/json"} if content else None)
+        headers = {"Content-Type": "application/json"} if content else None
+        for attempt in itertools.count(1):
+            if call is not None:
+                call.check()
+            request = self._client.build_request(method, url, content=content, headers=headers)
+            wait_s = None
+            try:
+                response = self._client.send(request, stream=True)
+                if response.status_code >= 400:
                     try:
-                        response = self._client.send(request, stream=stream)
-                    except httpx.ConnectError as error:
-                        raise ConnectionError(f"cannot connect to {url}: {error}") from error
-                    if response.status_code < 400:
-                        return response
-                    response.read()
-                    response.close()
-                    message = f"{url} answered {response.status_code}: {_message(_json_or_text(response))}"
-                    if response.status_code in TRANSIENT_STATUS:
-                        raise _Transient(message, response.status_code)
+                        response.read()
+                    finally:
+                        response.close()
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
+                message, status = f"cannot connect to {url}: {error}", None
+            except httpx.TimeoutException as error:
+                raise TimeoutError(f"{url} did not answer within {self.timeout} s; not sent again, since the "
+                                   f"server may be working on it: {error}") from error
+            except httpx.TransportError as error:
+                raise ConnectionError(f"lost the connection to {url}; not sent again, since the server may be "
+                                      f"working on it: {error}") from error
+            else:
+                if response.status_code < 400:
+                    return response
+                message = f"{url} answered {response.status_code}: {_message(_json_or_text(response))}"
+                if response.status_code not in RETRYABLE_STATUS:
                     raise _status_error(message, response.status_code)
-        except _Transient as error:
-            raise RemoteServerError(f"{error} (after {self.max_retries + 1} tries)", error.status_code) from None
-        except httpx.TimeoutException as error:
-            raise TimeoutError(f"{url} did not answer within {self.timeout} s ({self.max_retries + 1} tries): "
-                               f"{error}") from error
-        except httpx.TransportError as error:
-            raise ConnectionError(f"lost the connection to {url}: {error}") from error
-        raise AssertionError("unreachable")  # tenacity either returns or reraises
+                status, wait_s = response.status_code, _retry_after_s(response.headers)
+                if wait_s is not None and wait_s > MAX_RETRY_AFTER_S:
+                    raise RemoteServerError(f"{message} (it asks to wait {wait_s:.0f} s)", status)
+            if attempt > self.max_retries:
+                message = f"{message} (after {attempt} tries)"
+                raise ConnectionError(message) if status is None else RemoteServerError(message, status)
+            if wait_s is None:
+                wait_s = min(self.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+            if call is None:
+                time.sleep(wait_s)
+            elif call.channel.cancelled.wait(wait_s):  # a cancel ends the wait at once
+                raise call.cancelled_error()
+        raise AssertionError("unreachable")
+
+
+class _Workers:
+    """Daemon threads for queued jobs, at most ``max_threads`` at once. A thread ends as soon as it
+    finds the queue empty, so none outlives the work; being daemons, none holds up the interpreter's
+    exit (``ThreadPoolExecutor`` joins its threads at exit, however long their requests take)."""
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        self._max_threads = max_threads
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        self._num_threads = 0
+        self._closed = False
+        self._thread_ids = itertools.count()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this RemoteEngine is closed")
+            self._queue.append(job)
+            if self._num_threads == self._max_threads:
+                return
+            self._num_threads += 1
+        try:
+            threading.Thread(target=self._work, name=f"{self._name}-{next(self._thread_ids)}", daemon=True).start()
+        except BaseException:  # no thread (the interpreter is exiting): the job is not taken either
+            with self._lock:
+                self._num_threads -= 1
+                if job in self._queue:
+                    self._queue.remove(job)
+            raise
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._num_threads -= 1
+                    return
+                job = self._queue.popleft()
+            job()
+
+    def close(self) -> None:
+        """Take no more jobs and drop those not started (their owner cancels them)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+
+
+class _Call:
+    """One request as its worker thread and whoever cancels it share it: its channel, and the socket
+    of the response being read, which ``cancel`` shuts from the cancelling thread."""
+
+    def __init__(self, channel: RequestChannel, request_id: int) -> None:
+        self.channel = channel
+        self.request_id = request_id
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+
+    def cancelled_error(self) -> RequestCancelled:
+        return RequestCancelled(f"request {self.request_id} was cancelled")
+
+    def check(self) -> None:
+        if self.channel.cancelled.is_set():
+            raise self.cancelled_error()
+
+    def attach(self, response: Any) -> None:
+        """Make ``response``'s connection the one ``cancel`` shuts (raising at once if the request
+        was cancelled while its headers were awaited)."""
+        # httpx's documented ``network_stream`` extension; a transport without it (HTTP/2, a test
+        # double) leaves the worker to notice the cancellation at the next line it reads.
+        network_stream = response.extensions.get("network_stream")
+        with self._lock:
+            self._socket = network_stream.get_extra_info("socket") if network_stream is not None else None
+        self.check()
+
+    def detach(self) -> None:
+        with self._lock:
+            self._socket = None
+
+    def cancel(self) -> None:
+        """Release whoever waits on the request, and cut its connection. Never blocks for long."""
+        self.channel.cancelled.set()
+        self.channel.fail(self.cancelled_error())
+        with self._lock:
+            if self._socket is None:
+                return
+            try:
+                # A worker blocked reading the socket is not woken by closing it (the kernel keeps
+                # the file open until the read returns); shutting it down is, and tells the server
+                # the client has gone. The base class's method, so a TLS socket's state is left to
+                # its own thread.
+                socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the worker
 
 
 class _Waiter:
     """The ``RequestDriver`` of a remote request: the worker thread fills the channel, there is
     nothing to step."""
 
-    def __init__(self, channel: RequestChannel, request_id: int) -> None:
-        self._channel = channel
-        self._request_id = request_id
+    def __init__(self, call: _Call) -> None:
+        self._call = call
 
     def owns_engine(self) -> bool:
         return False  # no engine lock here: an awaiting caller always waits for the worker
@@ -381,10 +527,10 @@ class _Waiter:
         channel.wait(timeout)
 
     def wake(self) -> None:
-        # Called by ``handle.cancel()``: release whoever waits now; the worker closes a stream at its
-        # next line, and a request that is not streamed is left to finish on the server.
-        if self._channel.cancelled.is_set():
-            self._channel.fail(RequestCancelled(f"request {self._request_id} was cancelled"))
+        # Called by ``handle.cancel()`` (and ``cancel_branches``, which a remote request cannot honour:
+        # the server decides its branches).
+        if self._call.channel.cancelled.is_set():
+            self._call.cancel()
 
 
 def _prompt_body(prompt: Any) -> tuple[str, dict]:
@@ -415,7 +561,7 @@ def _prompt_body(prompt: Any) -> tuple[str, dict]:
                     f"got {type(prompt).__name__}")
 
 
-def _sampling_body(path: str, n: int, params: SamplingParams, stream: bool) -> dict[str, Any]:
+def _sampling_body(path: str, n: int, params: SamplingParams) -> dict[str, Any]:
     body: dict[str, Any] = {"n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                             "top_p": params.top_p, "logprobs": True if path == "chat/completions" else 0}
     if params.top_k:
@@ -424,9 +570,10 @@ def _sampling_body(path: str, n: int, params: SamplingParams, stream: bool) -> d
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+    # Always a stream, whether or not the caller streams: a whole answer sends nothing until the
+    # generation ends, so a long one would read as a timeout however healthy the server.
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
     return body
 
 
@@ -484,6 +631,25 @@ def _completions(choices: dict[int, _Choice], n: int, params: SamplingParams, us
                    num_cached_tokens=cached, branch_index=index, seed=params.seed)
         for index, choice in sorted(choices.items())
     ]
+
+
+def _retry_after_s(headers: Any) -> float | None:
+    """The seconds a 429 or 503 asks to wait: ``retry-after-ms`` (OpenAI's), or ``Retry-After`` in
+    seconds or as an HTTP date (a date passed is 0). None when it names none that can be read."""
+    try:
+        seconds = float(headers["retry-after-ms"]) / 1000
+    except (KeyError, TypeError, ValueError):
+        value = headers.get("retry-after")
+        if value is None:
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            try:
+                seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+            except (TypeError, ValueError):
+                return None
+    return max(seconds, 0.0) if seconds == seconds else None  # NaN reads as none
 
 
 def _json_or_text(response: Any) -> Any:

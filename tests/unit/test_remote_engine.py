@@ -1,6 +1,6 @@
 """``RemoteEngine`` against a real ``rksc serve`` app (uvicorn on a loopback port) over the tiny
-model: the same answers as the in-process engine, streaming, stats from usage, and the transport's
-faults (a dead URL, a server that is briefly unavailable, a wrong key)."""
+model: the same answers as the in-process engine, streaming, stats from usage, cancellation on the
+server, and a wrong key. The transport's other faults are in ``test_remote_faults.py``."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
-from fastapi import FastAPI  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
-
-from rksc_engine import RemoteEngine, RemoteServerError, RKSCEngine, SamplingParams  # noqa: E402
+from rksc_engine import RemoteEngine, RequestCancelled, RKSCEngine, SamplingParams  # noqa: E402
 from rksc_serve.app import create_app  # noqa: E402
 from tests.conftest import make_char_tokenizer, make_tiny_model, serving, wait_until  # noqa: E402
 
@@ -117,6 +114,17 @@ def test_closing_a_stream_cancels_the_request_on_the_server(engine, remote):
     assert engine.stats().decode_tokens - before < 4000
 
 
+def test_cancelling_a_call_that_is_not_streamed_cancels_the_request_on_the_server(engine, remote):
+    before = engine.stats().decode_tokens
+    handle = remote.submit(MESSAGES, 1, SamplingParams(max_new_tokens=4000))
+    assert wait_until(lambda: engine.stats().running_requests == 1), "the request never started on the server"
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.result()
+    assert wait_until(lambda: engine.stats().running_requests == 0), "the server kept decoding a cancelled call"
+    assert engine.stats().decode_tokens - before < 4000
+
+
 def test_the_model_defaults_to_the_first_the_server_lists(engine, base_url):
     with RemoteEngine(base_url) as remote:
         assert remote.model_name == engine.model_name
@@ -141,61 +149,7 @@ def test_a_request_the_server_refuses_is_a_value_error_naming_the_field(remote):
         remote.generate("Hello", SamplingParams(max_new_tokens=5000))
 
 
-# -- transport faults ------------------------------------------------------------------------------
-def test_a_dead_url_is_a_connection_error_naming_it():
-    import socket
-
-    with socket.socket() as sock:  # a port nothing listens on: bound, then closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1"
-    with RemoteEngine(url, model="m", max_retries=2, retry_backoff_s=0.01) as remote:
-        with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
-            remote.generate("Hello", SamplingParams(max_new_tokens=2))
-
-
-def flaky_app(failures: int, status: int = 503, delay_s: float = 0.0):
-    """An OpenAI-like app whose first ``failures`` requests get ``status`` (after ``delay_s``); then
-    one fixed answer."""
-    app = FastAPI()
-    app.state.calls = 0
-
-    @app.post("/v1/completions")
-    async def completions() -> JSONResponse:
-        app.state.calls += 1
-        if app.state.calls <= failures:
-            await asyncio.sleep(delay_s)
-            return JSONResponse({"error": {"message": "busy", "type": "server_error"}}, status_code=status)
-        return JSONResponse({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": None}],
-                             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
-
-    return app
-
-
-@pytest.mark.parametrize("status", [503, 429])
-def test_a_busy_server_is_retried_with_backoff(status):
-    app = flaky_app(failures=1, status=status)
-    with serving(app) as url, RemoteEngine(f"{url}/v1", model="m", retry_backoff_s=0.01) as remote:
-        completion = remote.generate("Hello", SamplingParams(max_new_tokens=2))
-    assert completion.text == "ok" and completion.finish_reason == "eos" and completion.num_prompt_tokens == 3
-    assert app.state.calls == 2, "the 503/429 must be retried exactly once before the answer"
-
-
-def test_a_request_that_times_out_is_retried():
-    app = flaky_app(failures=1, delay_s=2.0)
-    with serving(app) as url, RemoteEngine(f"{url}/v1", model="m", timeout=0.3, retry_backoff_s=0.01) as remote:
-        assert remote.generate("Hello").text == "ok"
-    assert app.state.calls == 2, "the timed-out try must be retried once"
-
-
-def test_a_server_that_stays_busy_fails_after_the_retries():
-    app = flaky_app(failures=100)
-    with serving(app) as url, RemoteEngine(f"{url}/v1", model="m", max_retries=2, retry_backoff_s=0.01) as remote:
-        with pytest.raises(RemoteServerError, match="503") as raised:
-            remote.generate("Hello")
-    assert raised.value.status_code == 503 and app.state.calls == 3
-
-
+# -- transport faults (the rest, against servers that misbehave on purpose: test_remote_faults.py) --
 def test_a_wrong_api_key_is_a_permission_error(engine):
     with serving(create_app(engine, api_key="sekrit")) as url:
         with RemoteEngine(f"{url}/v1", model="m", api_key="wrong") as remote:
