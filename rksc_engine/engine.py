@@ -598,10 +598,13 @@ class RKSCEngine:
         (worked ``Problem``s) or ``prompt`` (your own messages), ``answer_extractor`` (``"gsm8k"``,
         ``"choice"`` or a callable), ``verifier`` (default: this engine as a Yes/No judge; any
         ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``; default
-        ``self.config.cgee``).
+        ``self.config.cgee``), ``early_stop`` (``"decided"``, the exact default: running branches are
+        cancelled once they cannot change the vote's winner; ``"answered"``, ``"adaptive"``,
+        ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end).
 
         Returns:
-            A ``ReasoningResult`` with the answer, votes, branches and ``VerificationReport``.
+            A ``ReasoningResult`` with the answer, votes, branches, ``VerificationReport`` and
+            ``early_stop`` report (branches launched and cancelled, decode tokens, which rule stopped what).
         """
         from .reasoning import reason
 
