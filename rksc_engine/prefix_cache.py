@@ -15,7 +15,11 @@ Storage and blocks:
     only the first and last block of a node can be partial and a partial block counts its real bytes.
     Splitting a node makes its two parts views of the same memory (nothing is copied); when eviction
     leaves memory that no node's view covers, the survivors sharing it are compacted into storage of
-    their own, so ``total_bytes`` is the memory the cache holds once every evict has returned.
+    their own. Memory that a locked node views is never compacted: the running request reads it in
+    place, so a copy would hold it twice and split the request from later ones reading the node. So
+    eviction leaves alone the unlocked nodes sharing that memory too (dropping them frees nothing
+    while the request holds it). ``total_bytes`` is the memory the nodes hold, each distinct storage
+    counted once in full.
 
 Invariants:
     * Each node's storage and blocks hold exactly the KV of its own ``token_ids``, positions following
@@ -31,7 +35,9 @@ Invariants:
       evicts down to ``factor`` of the unlocked bytes held, since a budget far above the held
       bytes frees no memory by itself. ``relax_budget`` grows the budget back step by step, never
       past ``configured_budget_bytes``; ``clear`` and ``restore_budget`` return to it at once.
-    * A node with ``lock_ref > 0`` (in use by a running request, or an ancestor of one) is never evicted.
+    * A node with ``lock_ref > 0`` (in use by a running request, or an ancestor of one) is never evicted
+      nor copied, and neither is any node sharing its memory: its ``storage`` stays the very memory the
+      request was lent until it is unlocked.
     * Only the trailing block of a node without cached descendants (a leaf) is evicted, so every node
       keeps a valid prefix above it; a leaf whose last block goes disappears and may expose its parent.
     * Eviction order: among evictable leaves, the policy's ``sort_key`` (smallest first; ties by node
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .memory import is_out_of_memory
 from .tokens import common_prefix_length
 
 DEFAULT_BLOCK_SIZE = 16
@@ -177,7 +184,8 @@ class PrefixMatch:
     Attributes:
         num_tokens: Length of the matched prefix.
         segments: The matched nodes' storage in position order, the last one cut to the match, each
-            ``(L, 2, H_kv, t, D)``: the cache's own memory, to read in place while the match is locked.
+            ``(L, 2, H_kv, t, D)``: the cache's own memory, to read in place while the match is locked
+            (the cache neither copies nor frees it until then).
         last_node: Deepest matched node, to ``lock`` while the request uses the prefix.
     """
 
@@ -233,6 +241,15 @@ class PrefixCache(ABC):
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy that owns its storage, so a block's bytes are exactly its own."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _memory_key(node: RadixNode) -> int:
+    """Identifies the memory ``node.storage`` views (shared by the parts of a split node)."""
+    return node.storage.untyped_storage().data_ptr()
+
+
+def _any_locked(nodes: list[RadixNode]) -> bool:
+    return any(node.lock_ref > 0 for node in nodes)
 
 
 class RadixPrefixCache(PrefixCache):
@@ -370,33 +387,30 @@ class RadixPrefixCache(PrefixCache):
         bytes_per_token = kv[:, :, :, :1].numel() * kv.element_size()
         self.bytes_per_token = bytes_per_token
         num_new = len(token_ids) - matched
-        # Protect the path we attach to while making room, so eviction cannot pull it from under us.
-        self.lock(parent)
-        try:
-            over = self.total_bytes + num_new * bytes_per_token - self.budget_bytes
-            if over > 0:
-                self.evict(over)
-            room_tokens = max(0, self.budget_bytes - self.total_bytes) // bytes_per_token
-            if room_tokens < num_new:
-                # Keep a block-aligned leading part, so the tail we drop is whole blocks.
-                aligned_end = (matched + room_tokens) // self.block_size * self.block_size
-                num_new = max(0, aligned_end - matched)
-            if num_new == 0:
-                return 0
-            end = matched + num_new
-            storage = _own(kv[:, :, :, matched - kv_offset:end - kv_offset])
-            leaf = RadixNode(tuple(token_ids[matched:end]), self._to_blocks(storage, matched),
-                             parent, start=matched, branch_score=float(branch_score), depth=int(depth),
-                             node_id=next(self._ids))
-            leaf.storage = storage
-            leaf.last_access = next(self._clock)
-            parent.children[leaf.token_ids[0]] = leaf
-            self.total_bytes += leaf.num_bytes
-            self.total_tokens += leaf.num_tokens
-            self.peak_bytes = max(self.peak_bytes, self.total_bytes)
-            return num_new
-        finally:
-            self.unlock(parent)
+        over = self.total_bytes + num_new * bytes_per_token - self.budget_bytes
+        if over > 0:
+            # Keep the node we attach to (and so the path above it) while making room. Not a lock:
+            # nothing reads it in place, so compaction may still give it storage of its own.
+            self._evict_blocks(over, keep=parent)
+        room_tokens = max(0, self.budget_bytes - self.total_bytes) // bytes_per_token
+        if room_tokens < num_new:
+            # Keep a block-aligned leading part, so the tail we drop is whole blocks.
+            aligned_end = (matched + room_tokens) // self.block_size * self.block_size
+            num_new = max(0, aligned_end - matched)
+        if num_new == 0:
+            return 0
+        end = matched + num_new
+        storage = _own(kv[:, :, :, matched - kv_offset:end - kv_offset])
+        leaf = RadixNode(tuple(token_ids[matched:end]), self._to_blocks(storage, matched),
+                         parent, start=matched, branch_score=float(branch_score), depth=int(depth),
+                         node_id=next(self._ids))
+        leaf.storage = storage
+        leaf.last_access = next(self._clock)
+        parent.children[leaf.token_ids[0]] = leaf
+        self.total_bytes += storage.untyped_storage().nbytes()
+        self.total_tokens += leaf.num_tokens
+        self.peak_bytes = max(self.peak_bytes, self.total_bytes)
+        return num_new
 
     def _to_blocks(self, storage: torch.Tensor, start: int) -> list[torch.Tensor]:
         """Views of ``storage`` (``(L, 2, H_kv, T, D)`` for positions ``start..start+T``) cut at block
@@ -427,12 +441,27 @@ class RadixPrefixCache(PrefixCache):
     # -- evict ------------------------------------------------------------------------------------
     def evict(self, num_bytes: int) -> int:
         """Evict trailing blocks of unlocked leaves in policy order until ``num_bytes`` are freed
-        (or nothing evictable is left); returns the bytes freed."""
-        return sum(b.num_bytes for b in self.evict_blocks(num_bytes))
+        (or nothing evictable is left); returns the bytes of memory freed."""
+        held = self.total_bytes
+        self.evict_blocks(num_bytes)
+        return held - self.total_bytes
 
     def evict_blocks(self, num_bytes: int) -> list[EvictedBlock]:
-        """Like ``evict``, returning the evicted blocks in the order they went."""
-        heap = [(self.policy.sort_key(n), n.node_id, n) for n in self._evictable_leaves()]
+        """Like ``evict``, returning the evicted blocks in the order they went.
+
+        Leaves sharing memory with a locked node are not evicted: the memory stays whole while a
+        running request reads it, so dropping them would lose KV and free nothing."""
+        return self._evict_blocks(num_bytes, keep=None)
+
+    def _evict_blocks(self, num_bytes: int, keep: RadixNode | None) -> list[EvictedBlock]:
+        """``evict_blocks``, never taking ``keep`` (so nothing on the path above it goes either)."""
+        pinned = {memory for memory, (_, nodes) in self._memory_groups().items() if _any_locked(nodes)}
+
+        def evictable(node: RadixNode) -> bool:
+            return (node.is_leaf and node.lock_ref == 0 and node is not keep
+                    and _memory_key(node) not in pinned)
+
+        heap = [(self.policy.sort_key(n), n.node_id, n) for n in self._iter_nodes() if evictable(n)]
         heapq.heapify(heap)
         freed, evicted = 0, []
         while freed < num_bytes and heap:
@@ -444,8 +473,7 @@ class RadixPrefixCache(PrefixCache):
             key = leaf.token_ids[0]
             leaf.token_ids = leaf.token_ids[:-width]
             leaf.storage = leaf.storage[:, :, :, :-width] if leaf.token_ids else None
-            freed += size
-            self.total_bytes -= size
+            freed += size  # by ``_compact`` below, as no locked node views this memory
             self.total_tokens -= width
             self.evicted_tokens += width
             self.evicted_blocks += 1
@@ -454,30 +482,48 @@ class RadixPrefixCache(PrefixCache):
             heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[key]
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            if parent is not self.root and evictable(parent):
                 heapq.heappush(heap, (self.policy.sort_key(parent), parent.node_id, parent))
-        if evicted:
-            self._compact()
+        self._compact()
         return evicted
 
     def _compact(self) -> None:
         """Give the nodes that share memory no node covers any more (what eviction left behind in a
-        split node's storage) storage of their own, so the dead bytes are freed."""
-        by_memory: dict[int, tuple[int, list[RadixNode]]] = {}
+        split node's storage) storage of their own, so the dead bytes are freed; then count
+        ``total_bytes`` afresh as the memory the nodes hold.
+
+        Memory a locked node views is left as it is: the request reads it in place, so copying any
+        node in it would hold the bytes twice. Out of memory for the copies, the memory is kept (and
+        counted) as it is too; the next eviction tries again."""
+        total_bytes = 0
+        for nbytes, nodes in self._memory_groups().values():
+            if sum(n.num_bytes for n in nodes) < nbytes and not _any_locked(nodes):
+                try:
+                    # Every copy before any is swapped in, so a failure leaves the nodes as they were.
+                    copies = [_own(node.storage) for node in nodes]
+                except Exception as error:
+                    if not is_out_of_memory(error):
+                        raise
+                    copies = []
+                if copies:
+                    for node, storage in zip(nodes, copies):
+                        node.storage = storage
+                        node.blocks = self._to_blocks(storage, node.start)
+                    nbytes = sum(storage.untyped_storage().nbytes() for storage in copies)
+            total_bytes += nbytes
+        self.total_bytes = total_bytes
+
+    def _memory_groups(self) -> dict[int, tuple[int, list[RadixNode]]]:
+        """The distinct memory the nodes' storage views: address -> (its bytes, the nodes viewing it)."""
+        groups: dict[int, tuple[int, list[RadixNode]]] = {}
         for node in self._iter_nodes():
             memory = node.storage.untyped_storage()
-            by_memory.setdefault(memory.data_ptr(), (memory.nbytes(), []))[1].append(node)
-        for nbytes, nodes in by_memory.values():
-            if sum(n.num_bytes for n in nodes) < nbytes:
-                for node in nodes:
-                    node.storage = _own(node.storage)
-                    node.blocks = self._to_blocks(node.storage, node.start)
-
-    def _evictable_leaves(self) -> list[RadixNode]:
-        return [n for n in self._iter_nodes() if n.is_leaf and n.lock_ref == 0]
+            groups.setdefault(memory.data_ptr(), (memory.nbytes(), []))[1].append(node)
+        return groups
 
     def clear(self) -> None:
-        """Drop every unlocked node and go back to the configured budget."""
+        """Drop every node eviction can free (all but the locked ones and those sharing their memory)
+        and go back to the configured budget."""
         self.evict(self.total_bytes + 1)
         self.restore_budget()
 
@@ -566,11 +612,13 @@ class RadixPrefixCache(PrefixCache):
     # -- inspection -----------------------------------------------------------------------------
     @property
     def evictable_bytes(self) -> int:
-        return sum(n.num_bytes for n in self._iter_nodes() if n.lock_ref == 0)
+        """Bytes that evicting every unlocked node would free: the memory no locked node views."""
+        return sum(nbytes for nbytes, nodes in self._memory_groups().values() if not _any_locked(nodes))
 
     @property
     def locked_bytes(self) -> int:
-        """Bytes of nodes a running request holds (``lock_ref > 0``), which no eviction can free."""
+        """Bytes no eviction can free now: the memory of the nodes running requests hold (``lock_ref >
+        0``), including the unlocked nodes that share it."""
         return self.total_bytes - self.evictable_bytes
 
     def _iter_nodes(self) -> Iterator[RadixNode]:
@@ -586,7 +634,7 @@ class RadixPrefixCache(PrefixCache):
     def check_consistency(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (byte/token totals, tree
         links, block alignment, lock counts). For tests and debugging; walks the whole tree."""
-        total_bytes = total_tokens = 0
+        node_bytes = total_tokens = 0
         for node in self._iter_nodes():
             where = f"node at positions [{node.start}, {node.end})"
             assert node.token_ids, f"{where} is empty"
@@ -605,7 +653,10 @@ class RadixPrefixCache(PrefixCache):
                     f"{where}: block [{pos}, {pos + width}) crosses a block boundary")
                 pos += width
             assert pos == node.end, f"{where}: blocks cover [{node.start}, {pos})"
-            total_bytes += node.num_bytes
+            node_bytes += node.num_bytes
             total_tokens += node.num_tokens
-        assert total_bytes == self.total_bytes, f"total_bytes {self.total_bytes} but nodes hold {total_bytes}"
+        memory_bytes = sum(nbytes for nbytes, _ in self._memory_groups().values())
+        assert memory_bytes == self.total_bytes, (
+            f"total_bytes {self.total_bytes} but the nodes hold {memory_bytes} bytes of memory")
+        assert node_bytes <= memory_bytes, f"nodes' blocks hold {node_bytes} bytes of {memory_bytes} bytes of memory"
         assert total_tokens == self.total_tokens, f"total_tokens {self.total_tokens} but nodes hold {total_tokens}"

@@ -282,14 +282,18 @@ class SharedPrefixLayer(CacheLayerMixin):
         return None
 
     def _grow(self, needed: int) -> None:
+        """Reallocate both suffix buffers with at least ``needed`` positions, or neither: out of memory
+        for the second one, keys and values keep their old, equal capacity, and a retry writes both."""
         capacity = self.keys.shape[2]
         while capacity < needed:
             capacity *= 2
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = torch.empty((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
-            new[:, :, : self.num_suffix_tokens] = old[:, :, : self.num_suffix_tokens]
-            setattr(self, name, new)
+        used = self.num_suffix_tokens
+        shape = (*self.keys.shape[:2], capacity, self.keys.shape[3])
+        keys = torch.empty(shape, dtype=self.keys.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.values.dtype, device=self.device)
+        keys[:, :, :used] = self.keys[:, :, :used]
+        values[:, :, :used] = self.values[:, :, :used]
+        self.keys, self.values = keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -320,10 +324,12 @@ class SharedPrefixLayer(CacheLayerMixin):
         Only the filled part of the suffix is gathered, into the front rows of the same buffer, so
         dropping a finished branch costs its siblings' generated tokens, not the whole capacity."""
         used, kept = self.num_suffix_tokens, len(indices)
-        for name in ("keys", "values"):
-            buffer = getattr(self, name)
-            buffer[:kept, :, :used] = buffer[indices, :, :used]  # the gather copies before the write
-            setattr(self, name, buffer[:kept])
+        # Both gathers (the allocations) before either write: out of memory in the second must not
+        # leave the keys' rows selected and the values' not.
+        gathered = [buffer[indices, :, :used] for buffer in (self.keys, self.values)]
+        for buffer, rows in zip((self.keys, self.values), gathered):
+            buffer[:kept, :, :used] = rows
+        self.keys, self.values = self.keys[:kept], self.values[:kept]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` suffix positions (the ``transformers`` >= 5
@@ -434,6 +440,8 @@ class BatchDecodeLayer(CacheLayerMixin):
         self.group_layers = group_layers
         self.row_ranges = row_ranges
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group, its suffixes after the update
+        # Per group, its suffix length before the latest ``update``, which ``crop`` returns to.
+        self._lengths_before_update: list[int] | None = None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -458,7 +466,11 @@ class BatchDecodeLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each request's rows of the new KV (B, H_kv, T, D) into its own layer; the attention
-        function reads the per-request suffixes from ``views``, so the new KV itself is returned."""
+        function reads the per-request suffixes from ``views``, so the new KV itself is returned.
+
+        Out of memory part-way (a request's buffer failing to grow), the requests before it have
+        their new positions and the rest do not; ``crop`` undoes exactly that."""
+        self._lengths_before_update = [layer.num_suffix_tokens for layer in self.group_layers]
         self.views = [
             layer.update(key_states[start:stop], value_states[start:stop])
             for layer, (start, stop) in zip(self.group_layers, self.row_ranges)
@@ -477,11 +489,26 @@ class BatchDecodeLayer(CacheLayerMixin):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Undo the last ``-tokens_to_remove // num_groups`` positions of every request (OOM roll-back)."""
-        if tokens_to_remove > 0 or -tokens_to_remove % len(self.group_layers):
-            raise ValueError(f"cannot crop {tokens_to_remove} tokens evenly from {len(self.group_layers)} requests")
+        """Forget ``-tokens_to_remove`` positions, counted over all requests as ``get_seq_length``
+        counts them (OOM roll-back).
+
+        When that is what the latest ``update`` added, each request goes back to its own length
+        before it, however far the update got; otherwise every request loses an equal share."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        remove = -tokens_to_remove
+        if self._lengths_before_update is not None:
+            added = [layer.num_suffix_tokens - length
+                     for layer, length in zip(self.group_layers, self._lengths_before_update)]
+            if min(added) >= 0 and sum(added) == remove:
+                for layer, count in zip(self.group_layers, added):
+                    layer.crop(-count)
+                return
+        if remove % len(self.group_layers):
+            raise ValueError(f"cannot crop {remove} tokens evenly from {len(self.group_layers)} requests, "
+                             "and the latest update did not add that many")
         for layer in self.group_layers:
-            layer.crop(tokens_to_remove // len(self.group_layers))
+            layer.crop(-(remove // len(self.group_layers)))
 
     def reset(self) -> None:
         for layer in self.group_layers:

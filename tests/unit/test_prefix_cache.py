@@ -221,12 +221,88 @@ def test_random_inserts_matches_and_locks_keep_the_cache_consistent_and_within_b
                 assert torch.equal(match.kv, kv_for(ids)[:, :, :, :match.num_tokens]), f"step {step}: wrong KV"
                 if rng.random() < 0.5:
                     cache.lock(match.last_node)
-                    locked.append(match.last_node)
+                    locked.append((match.last_node, match.segments))
         elif locked:
-            cache.unlock(locked.pop(rng.randrange(len(locked))))
+            cache.unlock(locked.pop(rng.randrange(len(locked)))[0])
         cache.check_consistency()
+        held = {n.storage.untyped_storage().data_ptr() for n in cache._iter_nodes()}
+        for _, segments in locked:
+            assert all(s.untyped_storage().data_ptr() in held for s in segments), (
+                f"step {step}: a running request reads memory the cache no longer counts")
     assert cache.peak_bytes <= cache.budget_bytes
-    for node in locked:
+    for node, _ in locked:
         cache.unlock(node)
     cache.clear()
     assert cache.total_bytes == 0 and cache.num_nodes() == 0
+
+
+def memory_held(cache):
+    """Bytes of the distinct memory the cache's nodes view, each storage counted once in full."""
+    memory = {n.storage.untyped_storage().data_ptr(): n.storage.untyped_storage().nbytes()
+              for n in cache._iter_nodes()}
+    return sum(memory.values())
+
+
+def locked_split(cache):
+    """Cache 8 tokens as one node, then match and lock its first 4 (splitting it): a running request
+    now reads the upper part in place. Returns ``(ids, match)``."""
+    ids = list(range(1, 9))
+    cache.insert(ids, kv_for(ids))
+    match = cache.match_prefix(ids[:4] + [99])
+    cache.lock(match.last_node)
+    return ids, match
+
+
+def test_eviction_never_copies_a_locked_node_and_total_bytes_counts_all_the_memory_held():
+    cache = make_cache(block_size=4)
+    ids, match = locked_split(cache)
+    lent = match.segments[0]
+    cache.evict(10**9)  # only the unlocked lower part [5..8] is a candidate
+    upper = match.last_node
+    assert upper.storage.untyped_storage().data_ptr() == lent.untyped_storage().data_ptr(), (
+        "the locked node was copied away from the memory its request reads")
+    assert upper.storage.data_ptr() == lent.data_ptr()
+    assert cache.total_bytes == memory_held(cache) == 8 * BYTES_PER_TOKEN, (
+        f"total_bytes {cache.total_bytes}, but the nodes hold {memory_held(cache)} bytes of memory")
+    assert cache.locked_bytes == 8 * BYTES_PER_TOKEN, "memory a locked node views cannot be freed"
+    assert cache.match_prefix(ids).num_tokens == 8, "evicting the lower part would free nothing while it is lent"
+    assert torch.equal(torch.cat(match.segments, dim=3), kv_for(ids)[:, :, :, :4])
+    cache.check_consistency()
+
+
+def test_a_request_matching_a_locked_node_after_an_eviction_shares_its_memory():
+    cache = make_cache(block_size=4)
+    ids, first = locked_split(cache)
+    cache.insert([50, 51, 52, 53], kv_for([50, 51, 52, 53]))
+    cache.evict(10**9)
+    second = cache.match_prefix(ids[:4] + [77])
+    assert second.last_node is first.last_node
+    assert second.segments[0].data_ptr() == first.segments[0].data_ptr(), (
+        "two requests reading the same cached prefix must read one copy of it")
+    assert cache.total_bytes == memory_held(cache) == 8 * BYTES_PER_TOKEN
+    cache.check_consistency()
+
+
+def test_once_unlocked_the_memory_a_lock_kept_whole_is_freed_by_eviction():
+    cache = make_cache(block_size=4)
+    ids, match = locked_split(cache)
+    cache.evict(10**9)
+    cache.unlock(match.last_node)
+    freed = cache.evict(4 * BYTES_PER_TOKEN)  # the LRU leaf is the lower part
+    assert freed == 4 * BYTES_PER_TOKEN
+    upper = cache.root.children[1]
+    assert upper.storage.untyped_storage().nbytes() == upper.num_bytes == 4 * BYTES_PER_TOKEN
+    assert cache.total_bytes == memory_held(cache) == 4 * BYTES_PER_TOKEN
+    assert torch.equal(cache.match_prefix(ids).kv, kv_for(ids)[:, :, :, :4])
+    cache.check_consistency()
+
+
+def test_an_insert_may_evict_the_other_part_of_the_node_it_extends():
+    cache = make_cache(budget_tokens=10, block_size=4)
+    ids = list(range(1, 9))
+    cache.insert(ids, kv_for(ids))
+    other = ids[:4] + [50, 51, 52, 53, 54, 55]
+    assert cache.insert(other, kv_for(other)) == 6, "the insert splits [1..8]; its lower part must make room"
+    assert cache.match_prefix(ids).num_tokens == 4
+    assert cache.total_bytes == memory_held(cache) == 10 * BYTES_PER_TOKEN
+    cache.check_consistency()
