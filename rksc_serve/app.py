@@ -7,9 +7,9 @@ Endpoints:
         radix prefix cache with whatever else the engine is running.
     ``POST /v1/rksc/reason``, ``POST /v1/rksc/tree_search``: what OpenAI's API cannot say
         (``rksc_serve.reasoning``): ``engine.areason`` (verified self-consistency with the vote and the
-        CGEE report) and ``engine.tree_search`` (run in a worker thread; it submits each level to the
-        scheduler itself). An engine without them, or whose methods raise ``NotImplementedError`` (a
-        ``RemoteEngine``'s do), answers 501.
+        CGEE report) and ``engine.tree_search`` (run on the server's tree-search pool; it submits each
+        level to the scheduler itself). An engine without them, or whose methods raise
+        ``NotImplementedError`` (a ``RemoteEngine``'s do), answers 501.
     ``GET /v1/models``: the one model served. ``GET /health``: ``{"status": "ok"}``, never behind the
         key. ``GET /metrics``: Prometheus text (``rksc_serve.metrics``).
 
@@ -25,10 +25,23 @@ Promises:
       body as a whole is wrong: not JSON, not an object, larger than ``max_body_bytes``). The
       engine's own ``ValueError``/``TypeError`` (a prompt longer than the context window, ``n``
       branches that cannot fit the cache budget) are 400s too.
-    * A client that goes away cancels its request: a stream's generator cancels its handles when
-      it is closed, and a non-streamed request (a reasoning request too) is cancelled when the
-      connection drops (polled every ``DISCONNECT_POLL_S``). The scheduler drops the rows and frees
-      their KV. A tree search has no cancel: it runs to its end.
+    * A client that goes away cancels its request, streamed or not: a stream's generator cancels its
+      handles when it is closed, and a non-streamed request (a reasoning request, a tool turn and a
+      JSON answer too) is cancelled as soon as the server reports the connection gone. The scheduler
+      drops the rows and frees their KV. Blocking engine work (tool turns, JSON answers, tree
+      searches) runs on the server's own bounded pools (``rksc_serve.workers``): the request stops
+      waiting at once, a queued call never runs, and a tool turn or JSON answer has its engine
+      requests cancelled and submits no more. A tree search has no cancel: it runs to its end on its
+      pool.
+    * The event loop never waits for the engine: it submits requests and awaits their handles, reads
+      ``engine.stats()`` (which answers from the last published snapshot while a step or an
+      ``exclusive()`` block holds the engine), and leaves every call that takes the engine lock to a
+      worker thread. ``/health`` and ``/metrics`` answer while the engine is busy.
+    * An unexpected error is a 500 whose body says only ``internal server error`` and a request id;
+      the exception is logged here (logger ``rksc_serve.app``) with that id.
+    * Served beyond loopback without an API key, the app logs a warning (``warn_if_exposed``): at
+      build time when given the ``host``, otherwise when the first request arrives on a non-loopback
+      address.
     * Streams follow OpenAI's chunk format and end with ``data: [DONE]``; with
       ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. A
       choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
@@ -41,22 +54,26 @@ Promises:
       under the schema, not as one stream of tokens. The free text of a turn with tools offered is
       streamed as it is generated, so where a whole response drops the text a small model writes
       before its call (``tools.tool_turn_content``, for a template without tool support), the
-      stream has already sent it. A constrained answer runs to its end even when its client goes
-      away (its engine calls are short); a free generation is cancelled as usual.
+      stream has already sent it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import ipaddress
 import json
+import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -81,31 +98,86 @@ from .protocol import (
 from .reasoning import ReasonRequest, TreeSearchRequest, engine_error_field, reasoning_body, search_body
 from .responses import ChatShape, Shape, TextShape, Turn, envelope, stop_reason, turns_usage, usage
 from .tool_turns import choice_seed, constrained_turn, finish_turn
+from .workers import DEFAULT_WORKER_THREADS, WorkerPool, check_worker_threads
 
-# Seconds between checks that the client of a non-streamed request is still connected.
-DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/rksc/reason", "/v1/rksc/tree_search",
                     "/v1/models", "/health", "/metrics"})
 
+log = logging.getLogger("rksc_serve.app")
+
 
 class APIError(Exception):
-    """An error answered with OpenAI's error JSON."""
+    """An error answered with OpenAI's error JSON (and, for a 500, the request id in ``X-Request-Id``)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, *,
-                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+                 error_type: str = "invalid_request_error", code: str | None = None,
+                 request_id: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.error_type, self.code = status, message, param, error_type, code
+        self.request_id = request_id
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.request_id is not None:
+            headers["X-Request-Id"] = self.request_id
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+def internal_error(error: BaseException) -> APIError:
+    """The 500 for an unexpected ``error``: logged here with a fresh request id, and answered with
+    that id alone, since the exception's text may hold prompts, paths or other clients' data."""
+    request_id = "req-" + secrets.token_hex(8)
+    log.error("request %s failed: %s", request_id, type(error).__name__, exc_info=error)
+    return APIError(500, f"internal server error (request id {request_id}); the server log has the details",
+                    error_type="server_error", request_id=request_id)
+
+
+class _GuardedRoute(APIRoute):
+    """A route whose unexpected exceptions are answered as ``internal_error`` here, as an ordinary
+    response (Starlette's catch-all handler would re-raise them to the server after answering)."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as error:
+                return internal_error(error).response()
+
+        return guarded
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only answers this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning when a server listening on ``host`` answers anyone who can reach it: ``host`` is
+    not loopback and there is no API key. Returns whether it warned. The one copy of this check:
+    ``create_app`` (and through it ``rksc serve``) and ``rksc_serve.cluster.start_cluster`` call it."""
+    if api_key is not None or is_loopback(host):
+        return False
+    log.warning("rksc serve: listening on %s without an API key (--api-key, create_app(api_key=...)); anyone "
+                "who can reach this address can use the model", host)
+    return True
 
 
 def create_app(engine: Any, api_key: str | None = None, *, model_name: str | None = None,
-               max_tokens_limit: int = 4096, max_n: int = 64, max_body_bytes: int = 1 << 20) -> FastAPI:
+               max_tokens_limit: int = 4096, max_n: int = 64, max_body_bytes: int = 1 << 20,
+               worker_threads: int = DEFAULT_WORKER_THREADS, host: str | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (an ``RKSCEngine``).
 
     Args:
@@ -118,6 +190,11 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         max_n: Most choices one request may ask for (``n`` times its prompts; a reasoning request's
             ``n``; a tree search's ``breadth * beam``).
         max_body_bytes: Largest request body accepted.
+        worker_threads: Threads of each pool for blocking engine work, in [1, 1024]: tool turns and
+            JSON answers have one pool of this size, tree searches another. Calls beyond them queue.
+        host: The address the app will listen on, when the caller knows it: without ``api_key``, a
+            non-loopback one is warned about at once (otherwise at the first request that arrives
+            on a non-loopback address).
 
     Example:
         >>> app = create_app(RKSCEngine.from_pretrained(), api_key="secret")
@@ -125,9 +202,20 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     """
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
+    check_worker_threads(worker_threads)
     server = _Server(engine, api_key, model_name or engine.model_name,
-                     ServeLimits(max_tokens=max_tokens_limit, max_n=max_n, max_body_bytes=max_body_bytes))
-    app = FastAPI(title="rksc", docs_url=None, redoc_url=None, openapi_url=None)
+                     ServeLimits(max_tokens=max_tokens_limit, max_n=max_n, max_body_bytes=max_body_bytes),
+                     worker_threads)
+    if host is not None:
+        server.exposure_warned = warn_if_exposed(host, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    app = FastAPI(title="rksc", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.router.route_class = _GuardedRoute
     app.state.rksc = server
     app.add_middleware(CountRequests, metrics=server.metrics, paths=ROUTES)
 
@@ -141,7 +229,8 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(error).__name__}: {error}", error_type="server_error").response()
+        # Only what fails outside a route reaches here (a route answers its own, ``_GuardedRoute``).
+        return internal_error(error).response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -173,7 +262,7 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         kwargs = _check(lambda: body.engine_kwargs(default_cgee(engine)))
         result = await server.call_engine(
             "/v1/rksc/reason", body.prompt_field, "n",
-            lambda: _cancelled_on_disconnect(request, areason(body.question, **kwargs)))
+            lambda: _until_disconnect(request, areason(body.question, **kwargs)))
         server.metrics.count_tokens([result.completions])
         return JSONResponse(reasoning_body(result, server.model_name))
 
@@ -183,10 +272,14 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         tree_search = server.local_method("tree_search", "/v1/rksc/tree_search")
         body = await server.parse(request, TreeSearchRequest)
         _check(lambda: body.check(server.limits))
-        # Synchronous: it submits each level to the scheduler and waits, so it gets a thread of its own.
-        result = await server.call_engine(
-            "/v1/rksc/tree_search", body.prompt_field, "breadth",
-            lambda: asyncio.to_thread(tree_search, body.question, **body.engine_kwargs()))
+
+        async def search() -> Any:
+            kwargs = body.engine_kwargs()
+            # Synchronous: it submits each level to the scheduler and waits, so it runs on a pool thread.
+            run = server.search_pool.run(lambda: tree_search(body.question, **kwargs))
+            return await _until_disconnect(request, run)
+
+        result = await server.call_engine("/v1/rksc/tree_search", body.prompt_field, "breadth", search)
         return JSONResponse(search_body(result, server.model_name))
 
     @app.get("/v1/models")
@@ -204,6 +297,7 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         server.authorize(request)
+        # Reads engine.stats(), which never waits for the engine, so this is safe on the event loop.
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -218,9 +312,11 @@ def _check(check: Callable[[], Any]) -> Any:
 
 
 class _Server:
-    """What the routes share: the engine, the limits, the metrics, and the request plumbing."""
+    """What the routes share: the engine, the limits, the metrics, the worker pools, and the
+    request plumbing."""
 
-    def __init__(self, engine: Any, api_key: str | None, model_name: str, limits: ServeLimits) -> None:
+    def __init__(self, engine: Any, api_key: str | None, model_name: str, limits: ServeLimits,
+                 worker_threads: int) -> None:
         self.engine = engine
         self.api_key = api_key
         self.model_name = model_name
@@ -228,15 +324,38 @@ class _Server:
         self.metrics = ServeMetrics(engine)
         self.token_text = TokenText(engine.tokenizer)
         self.started = int(time.time())
+        self.turn_pool = WorkerPool("rksc-turns", worker_threads)
+        self.search_pool = WorkerPool("rksc-search", worker_threads)
+        self.exposure_warned = False
+        self._addresses_seen: set[str] = set()
+
+    def close(self) -> None:
+        """Stop the worker pools (at the server's shutdown): queued calls are dropped."""
+        self.turn_pool.shutdown()
+        self.search_pool.shutdown()
 
     # -- requests in ----------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
+            self._note_address(request)
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+
+    def _note_address(self, request: Request) -> None:
+        """Warn (once) when a keyless server is first reached on a non-loopback address."""
+        server = request.scope.get("server")
+        if self.exposure_warned or not server or server[0] in self._addresses_seen:
+            return
+        address = str(server[0])
+        self._addresses_seen.add(address)
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:  # a Unix socket's path or a host name a test client made up
+            return
+        self.exposure_warned = warn_if_exposed(address, None)
 
     async def parse(self, request: Request, model: type[Any]) -> Any:
         """The body validated as ``model``; 400 for a body over the limit, not JSON, or a bad field."""
@@ -321,40 +440,48 @@ class _Server:
         reply = _Reply(self, shape, body, params, recorders)
         if body.stream:
             return _event_stream(reply.events(handles))
-        per_prompt = await _wait_for(request, handles)
+        per_prompt = await _until_disconnect(request, _completions(handles))
         self.metrics.count_tokens(per_prompt)
         return JSONResponse(reply.whole(per_prompt))
 
     async def generate_turns(self, request: Request, shape: ChatShape, body: ChatCompletionRequest,
                              plan: ChatPlan, messages: list[dict[str, Any]]) -> Response:
-        """A chat request with tools offered or a JSON answer asked for (``rksc_serve.tool_turns``)."""
+        """A chat request with tools offered or a JSON answer asked for (``rksc_serve.tool_turns``).
+        Each choice's blocking engine work runs on the turn pool and is cancelled with its request."""
         prompt_ids, params = self.turn_prompt(body, plan, messages)
         if plan.constrained_from_start:
             reply = _Reply(self, shape, body, params, [None])
 
+            async def decide_one(i: int) -> Turn:
+                seed = choice_seed(params.seed, i)
+                return await self.turn_pool.run_cancellable(
+                    self.engine, lambda engine: constrained_turn(engine, prompt_ids, params, plan, seed))
+
             async def decide() -> list[Turn]:
-                return list(await asyncio.gather(*(
-                    asyncio.to_thread(constrained_turn, self.engine, prompt_ids, params, plan,
-                                      choice_seed(params.seed, i))
-                    for i in range(body.n))))
+                return await _all(decide_one(i) for i in range(body.n))
 
             if body.stream:
                 return _event_stream(reply.turn_events(decide))
-            turns = await _failed_as_500(_cancelled_on_disconnect(request, decide()))
+            turns = await _until_disconnect(request, decide())
         else:
             assert plan.tools is not None
             tools = plan.tools
 
             async def finish(completion: Completion) -> Turn:
-                return await asyncio.to_thread(finish_turn, self.engine, prompt_ids, tools, completion, params)
+                return await self.turn_pool.run_cancellable(
+                    self.engine, lambda engine: finish_turn(engine, prompt_ids, tools, completion, params))
 
             params, handles, recorders = self.submit([prompt_ids], body, self.limits.max_tokens, "messages",
                                                      stop_at_tool_call=True)
             reply = _Reply(self, shape, body, params, recorders)
             if body.stream:
                 return _event_stream(reply.events(handles, finish))
-            [completions] = await _wait_for(request, handles)
-            turns = await _failed_as_500(asyncio.gather(*(finish(c) for c in completions)))
+
+            async def generate_then_finish() -> list[Turn]:
+                [completions] = await _completions(handles)
+                return await _all(finish(c) for c in completions)
+
+            turns = await _until_disconnect(request, generate_then_finish())
         answer = reply.whole_turns(turns)
         self.metrics.count_usage(answer["usage"])
         return JSONResponse(answer)
@@ -483,57 +610,57 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 def _stream_error(error: Exception) -> str:
     """An error once a stream's headers are gone: reported in the stream, as OpenAI does."""
-    return f"data: {json.dumps(APIError(500, f'generation failed: {error}', error_type='server_error').body())}\n\n"
+    return f"data: {json.dumps(internal_error(error).body())}\n\n"
 
 
-async def _wait_for(request: Request, handles: list[RequestHandle]) -> list[list[Completion]]:
-    """Each handle's completions; all are cancelled when the client goes away (499) or one fails (500)."""
-    def cancel_all() -> None:
-        for handle in handles:
-            handle.cancel()
-
-    watcher = asyncio.create_task(_on_disconnect(request, cancel_all))
+async def _completions(handles: list[RequestHandle]) -> list[list[Completion]]:
+    """Each handle's completions; when this is cancelled or one fails, the rest are cancelled too."""
     try:
         return [await handle for handle in handles]
-    except RequestCancelled:
-        raise APIError(499, "the client closed the request", error_type="cancelled") from None
-    except Exception as error:
-        raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
     finally:
-        watcher.cancel()
         for handle in handles:
             if not handle.done():
                 handle.cancel()
 
 
-async def _failed_as_500(call: Awaitable[Any]) -> Any:
-    """``call``'s result; an engine failure in it (not a 499) as a 500."""
+async def _all(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order; when one fails or this is cancelled, the others are cancelled
+    (``asyncio.gather`` alone would leave them running after the first failure)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
     try:
-        return await call
-    except APIError:
-        raise
-    except Exception as error:
-        raise APIError(500, f"generation failed: {error}", error_type="server_error") from None
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for the finished ones
 
 
-async def _on_disconnect(request: Request, cancel: Callable[[], Any]) -> None:
-    """Call ``cancel()`` once the client of ``request`` has gone away."""
-    while True:
-        await asyncio.sleep(DISCONNECT_POLL_S)
-        if await request.is_disconnected():
-            cancel()
-            return
+async def _client_gone(request: Request) -> None:
+    """Return once the client of ``request`` has gone away.
+
+    Its body has been read, so the server's ``receive()`` answers only when the connection closes
+    (Starlette's ``StreamingResponse`` watches a stream's client the same way).
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-async def _cancelled_on_disconnect(request: Request, call: Awaitable[Any]) -> Any:
-    """Await ``call`` as a task that is cancelled (with the requests it awaits) when the client goes away."""
+async def _until_disconnect(request: Request, call: Awaitable[T]) -> T:
+    """``call``'s result, awaited as a task that is cancelled (with the requests and pool calls it
+    awaits) as soon as the client goes away: then, or when the request was cancelled, a 499."""
     task = asyncio.ensure_future(call)
-    watcher = asyncio.create_task(_on_disconnect(request, task.cancel))
+
+    async def cancel_when_gone() -> None:
+        await _client_gone(request)
+        task.cancel()
+
+    watcher = asyncio.create_task(cancel_when_gone())
     try:
         return await task
     except asyncio.CancelledError:
         if not watcher.done():  # this handler itself was cancelled, not the call
             raise
+        raise APIError(499, "the client closed the request", error_type="cancelled") from None
+    except RequestCancelled:
         raise APIError(499, "the client closed the request", error_type="cancelled") from None
     finally:
         watcher.cancel()

@@ -1,8 +1,9 @@
 """``rksc serve``: an OpenAI-compatible HTTP server over one engine (``rksc_serve.app``).
 
 Safe by default: it binds to loopback (``--host 127.0.0.1``) unless told otherwise, and warns when
-it listens beyond loopback without ``--api-key``. FastAPI, uvicorn and prometheus-client are imported
-only when the command runs (``pip install 'rksc[serve]'``), so ``rksc --help`` works without them.
+it listens beyond loopback without ``--api-key`` (``rksc_serve.app.warn_if_exposed``, the check every
+entry point shares). FastAPI, uvicorn and prometheus-client are imported only when the command runs
+(``pip install 'rksc[serve]'``), so ``rksc --help`` works without them.
 
 ``--replicas N`` with N > 1 serves N engines behind one endpoint on Ray Serve (``rksc_serve.cluster``,
 ``pip install "rksc[cluster]"``), on this machine or on the Ray cluster ``RAY_ADDRESS`` names; Ray is
@@ -12,8 +13,9 @@ imported only then. One replica is the plain single-process server.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
+
+from .workers import DEFAULT_WORKER_THREADS
 
 SERVE_HELP = "serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, metrics)"
 
@@ -28,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=64, help="most choices one request may ask for (default 64)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--served-model-name", default=None, help="model id in /v1/models and responses (default: the model's name)")
+    parser.add_argument("--worker-threads", type=int, default=DEFAULT_WORKER_THREADS,
+                        help="threads of each pool for blocking engine work (one for tool turns and JSON answers, "
+                             f"one for tree searches); calls beyond them queue (default {DEFAULT_WORKER_THREADS})")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -59,10 +64,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"rksc serve needs the serve extra: pip install 'rksc[serve]' ({error})") from None
     from rksc_engine import RKSCEngine
 
-    _warn_if_open(args)
     engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     app = create_app(engine, api_key=args.api_key, model_name=args.served_model_name,
-                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                     worker_threads=args.worker_threads, host=args.host)
     print(f"rksc serve: {engine.model_name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -74,28 +79,13 @@ def _run_replicas(args: argparse.Namespace) -> int:
         from . import cluster
     except ImportError as error:
         raise SystemExit(f'rksc serve --replicas needs the cluster extra: pip install "rksc[cluster]" ({error})') from None
-    _warn_if_open(args)
     spec = cluster.ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, api_key=args.api_key,
                                served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit,
-                               max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+                               max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                               worker_threads=args.worker_threads)
     cluster.run_cluster(spec, args.replicas, args.host, args.port, routing=args.routing,
                         replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, log_level=args.log_level)
     return 0
-
-
-def _warn_if_open(args: argparse.Namespace) -> None:
-    if not _is_loopback(args.host) and args.api_key is None:
-        print(f"rksc serve: warning: listening on {args.host} without --api-key; anyone who can reach this "
-              f"address can use the model", file=sys.stderr)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from .workers import DEFAULT_WORKER_THREADS
+
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -137,6 +139,7 @@ class ReplicaSpec:
     max_tokens_limit: int = 4096
     max_n: int = 64
     max_body_bytes: int = 1 << 20
+    worker_threads: int = DEFAULT_WORKER_THREADS
 
 
 class ReplicaServer:
@@ -151,7 +154,7 @@ class ReplicaServer:
                                                  config=spec.engine_config, progress=False)
         self.app = create_app(self.engine, api_key=spec.api_key, model_name=spec.served_model_name,
                               max_tokens_limit=spec.max_tokens_limit, max_n=spec.max_n,
-                              max_body_bytes=spec.max_body_bytes)
+                              max_body_bytes=spec.max_body_bytes, worker_threads=spec.worker_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[dict[str, Any] | bytes]:
@@ -178,6 +181,8 @@ class ReplicaServer:
                         yield bytes(message["body"])
                 else:
                     last = bytes(message.get("body", b""))
+        # stats() never waits for the engine (it answers from the snapshot published after the last
+        # step while a step holds it), so this read does not hold up the replica's event loop.
         yield {"replica": self.replica_id, "stats": self.engine.stats().as_dict(), "tail": last}
 
 
@@ -399,6 +404,9 @@ def start_cluster(spec: ReplicaSpec, replicas: int, host: str = "127.0.0.1", por
     started on the cluster. ``log_level`` is the application's
     (``"info"`` logs every request).
     """
+    from .app import warn_if_exposed
+
+    warn_if_exposed(host, spec.api_key)
     app = build_app(spec, replicas, routing, **options)
     if not ray.is_initialized():
         ray.init()

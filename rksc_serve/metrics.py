@@ -29,7 +29,12 @@ from rksc_engine import Completion
 
 
 class EngineCollector:
-    """Exposes ``engine.stats()`` as metrics, read at scrape time."""
+    """Exposes ``engine.stats()`` as metrics, read at scrape time.
+
+    ``stats()`` never waits for the engine (while a step or an ``exclusive()`` block holds it, it
+    answers the snapshot published after the last step), so a scrape on the event loop never waits
+    behind the model.
+    """
 
     # (metric name, EngineStats field, help); counters get ``_total`` appended by prometheus_client.
     COUNTERS = (

@@ -7,9 +7,10 @@ so a client gets the same calls and JSON over HTTP as in-process:
     * Otherwise the model writes free text with the tool-call opener as a stop string; when it starts
       a call, ``finish_turn`` -> ``tools.finish_tool_turn`` finishes it under the tool's schema.
 
-Both make one short blocking engine call per JSON value, so the app runs them in worker threads; the
-scheduler batches those calls with every other request. Choice ``i`` of a seeded request decodes
-with seed ``seed + i``, as sibling branches do.
+Both make one short blocking engine call per JSON value, so the app runs them on its turn pool
+(``rksc_serve.workers``) with a ``CancellableEngine`` as ``engine``: when the client goes away, the
+call in flight is cancelled and the next one is refused. The scheduler batches those calls with every
+other request. Choice ``i`` of a seeded request decodes with seed ``seed + i``, as sibling branches do.
 """
 
 from __future__ import annotations
