@@ -69,6 +69,7 @@ from rksc_engine.early_stop import (
     EarlyStopConfig,
     EarlyStopMonitor,
 )
+from rksc_engine.scheduler import first_stop
 from rksc_engine.types import BranchEvent, Completion
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
@@ -129,7 +130,8 @@ def record(args: argparse.Namespace) -> None:
             for (i, q), handle in zip(batch, handles):
                 f.write(json.dumps({
                     "index": i, "workload": args.workload, "level": solution_steps(q), "gold": q.answer,
-                    "max_new_tokens": params.max_new_tokens, "model": engine.model_name, "device": str(engine.device),
+                    "max_new_tokens": params.max_new_tokens, "stop": list(params.stop), "model": engine.model_name,
+                    "device": str(engine.device),
                     "branches": [{"tokens": list(c.token_ids), "logprobs": [round(x, 6) for x in c.logprobs],
                                   "finish": c.finish_reason, "text": c.text} for c in handle.result()],
                 }) + "\n")
@@ -154,8 +156,8 @@ class Replayed:
 class BranchTexts:
     """Each branch's text after its first k tokens, decoded on demand and kept for the question."""
 
-    def __init__(self, tokenizer, branches: list[dict]):
-        self._tokenizer, self._branches = tokenizer, branches
+    def __init__(self, tokenizer, branches: list[dict], stop: Sequence[str] = ()):
+        self._tokenizer, self._branches, self._stop = tokenizer, branches, tuple(stop)
         self._cache: dict[tuple[int, int], str] = {}
 
     def text(self, b: int, k: int) -> str:
@@ -164,7 +166,9 @@ class BranchTexts:
             return branch["text"]
         key = (b, k)
         if key not in self._cache:
-            self._cache[key] = self._tokenizer.decode(branch["tokens"][:k], skip_special_tokens=True)
+            text = self._tokenizer.decode(branch["tokens"][:k], skip_special_tokens=True)
+            cut = first_stop(text, self._stop) if self._stop else None  # as the scheduler cuts it
+            self._cache[key] = text if cut is None else text[:cut]
         return self._cache[key]
 
 
@@ -274,7 +278,7 @@ def replay_all(records: list[dict], rules: dict[str, EarlyStopConfig | None], ns
     """Every rule at every ``n`` on every record (questions outer, so each branch text is decoded once)."""
     results: dict[tuple[str, int], list[Replayed]] = defaultdict(list)
     for rec in tqdm(records, desc="replaying"):
-        texts = BranchTexts(tokenizer, rec["branches"])
+        texts = BranchTexts(tokenizer, rec["branches"], rec.get("stop", ()))
         for n in ns:
             for label, config in rules.items():
                 results[(label, n)].append(replay_question(rec, n, config, texts, extract_gsm8k_answer))
