@@ -68,6 +68,7 @@ from rksc_engine.early_stop import (
     ConfidenceConfig,
     EarlyStopConfig,
     EarlyStopMonitor,
+    LengthConfig,
 )
 from rksc_engine.scheduler import first_stop
 from rksc_engine.types import BranchEvent, Completion
@@ -263,6 +264,12 @@ def candidate_rules() -> dict[str, EarlyStopConfig | None]:
         rules[f"confidence w{window} p{percentile:g}"] = EarlyStopConfig(confidence=confidence)
         rules[f"answered+confidence w{window} p{percentile:g}"] = EarlyStopConfig(answered=AnsweredConfig(),
                                                                                    confidence=confidence)
+    for fraction, factor in itertools.product((0.25, 0.5), (1.25, 1.5, 2.0, 3.0)):
+        length = LengthConfig(finished_fraction=fraction, factor=factor)
+        rules[f"length q{fraction:g} x{factor:g}"] = EarlyStopConfig(length=length)
+        rules[f"answered+length q{fraction:g} x{factor:g}"] = EarlyStopConfig(answered=AnsweredConfig(), length=length)
+        rules[f"length+confidence q{fraction:g} x{factor:g}"] = EarlyStopConfig(
+            length=length, confidence=ConfidenceConfig(window_tokens=32, warmup_branches=4, percentile=10.0))
     for wave, threshold, method in itertools.product((2, 4), (0.8, 0.9, 0.95), ("beta", "dirichlet", "esc")):
         if method == "esc" and threshold != 0.95:
             continue  # ESC's window rule has no threshold

@@ -17,13 +17,18 @@ The rules (``EarlyStopConfig`` composes them):
     * ``confidence`` (DeepConf online): the warm-up branches set a threshold on the lowest
       sliding-window mean token logprob; any branch whose window mean falls below it is stopped and
       leaves the vote.
+    * ``length`` (a tail cut): once a fraction of the launched branches has finished, a branch that
+      runs past ``factor`` times the length at which that fraction was reached is stopped and leaves
+      the vote. A small model's wrong branches are the ones that ramble on to ``max_new_tokens``
+      without an answer, and they set a request's latency.
 
 Promises:
     * With ``decided`` and without ``adaptive``, the winner of the vote over the completions that
       ``voting`` keeps equals the winner of the vote over all ``n`` branches run to their end, always
-      (with ``answered`` or ``confidence`` on, "to their end" means as those rules end or drop them;
-      both act on each branch's own tokens alone, so that vote does not depend on timing; with
-      ``confidence``, nothing is decided before the warm-up branches have set the threshold).
+      (with ``answered``, ``confidence`` or ``length`` on, "to their end" means as those rules end or
+      drop them; they read only the branches' own tokens and lengths, never the clock, so that vote
+      does not depend on timing; with ``confidence``, nothing is decided before the warm-up branches
+      have set the threshold).
     * The ``confidence`` filter is a property of a branch's tokens: a branch leaves the vote if and
       only if its lowest window mean is below the threshold, whether it was stopped or had finished.
     * ``observe`` costs O(running branches) per step at most; answers are extracted only when a branch
@@ -37,16 +42,17 @@ import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .types import BranchControl, BranchEvent, Completion
 
 __all__ = [
     "ADAPTIVE_METHODS", "EARLY_STOP_RULES", "GSM8K_SETTLED_PATTERN", "AdaptiveConfig", "AnsweredConfig",
-    "ConfidenceConfig", "EarlyStopConfig", "EarlyStopMonitor", "EarlyStopReport", "beta_leader_posterior",
+    "ConfidenceConfig", "EarlyStopConfig", "LengthConfig", "EarlyStopMonitor", "EarlyStopReport", "beta_leader_posterior",
     "dirichlet_leader_posterior", "lowest_window_mean", "resolve_early_stop",
 ]
 
-EARLY_STOP_RULES = ("decided", "answered", "adaptive", "confidence")
+EARLY_STOP_RULES = ("decided", "answered", "adaptive", "confidence", "length")
 ADAPTIVE_METHODS = ("beta", "dirichlet", "esc")
 # A GSM8K answer line: "####" and then a digit on the same line (extract_gsm8k_answer reads the first
 # number after the last "####"; the newline that closes the line means no more digits can join it).
@@ -153,6 +159,25 @@ class ConfidenceConfig:
 
 
 @dataclass(frozen=True)
+class LengthConfig:
+    """The tail cut: stop branches that run far longer than the first ones to finish.
+
+    Attributes:
+        finished_fraction: The share of launched branches that must have finished before the cut
+            applies, in (0, 1]. Default 0.25: the reference is the length of the quartile branch.
+        factor: A running branch is stopped once it is longer than ``factor`` times that reference
+            length, > 1. Default 2.0.
+    """
+
+    finished_fraction: float = 0.25
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_number("length.finished_fraction", self.finished_fraction, 0.0, 1.0, low_open=True)
+        _check_number("length.factor", self.factor, 1.0, math.inf, low_open=True)
+
+
+@dataclass(frozen=True)
 class EarlyStopConfig:
     """Which stop rules a self-consistency request runs (see the module docstring).
 
@@ -164,17 +189,20 @@ class EarlyStopConfig:
             branches launch at once (the default).
         confidence: Drop branches whose sliding-window confidence falls below the warm-up threshold;
             None: off (the default).
+        length: Drop branches that run past the tail cut; None: off (the default).
     """
 
     decided: bool = True
     answered: AnsweredConfig | None = None
     adaptive: AdaptiveConfig | None = None
     confidence: ConfidenceConfig | None = None
+    length: LengthConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.decided, bool):
             raise TypeError(f"early_stop.decided must be a bool, got {type(self.decided).__name__}")
-        for name, kind in (("answered", AnsweredConfig), ("adaptive", AdaptiveConfig), ("confidence", ConfidenceConfig)):
+        for name, kind in (("answered", AnsweredConfig), ("adaptive", AdaptiveConfig), ("confidence", ConfidenceConfig),
+                           ("length", LengthConfig)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"early_stop.{name} must be an {kind.__name__} or None, got {type(value).__name__}")
@@ -201,6 +229,8 @@ def resolve_early_stop(value: None | str | EarlyStopConfig) -> EarlyStopConfig |
             return EarlyStopConfig(adaptive=AdaptiveConfig())
         if value == "confidence":
             return EarlyStopConfig(confidence=ConfidenceConfig())
+        if value == "length":
+            return EarlyStopConfig(length=LengthConfig())
         raise ValueError(f"early_stop must be None, an EarlyStopConfig or one of {list(EARLY_STOP_RULES)}, got {value!r}")
     raise TypeError(f"early_stop must be None, an EarlyStopConfig or one of {list(EARLY_STOP_RULES)}, "
                     f"got {type(value).__name__}")
@@ -291,6 +321,18 @@ class EarlyStopReport:
     stopped_request_by: str | None
     confidence_threshold: float | None = None
 
+    def as_dict(self) -> dict[str, Any]:
+        """The report in JSON types, for the adapters' events and answers: the fields by name, with
+        ``stopped_by`` as a list of ``{"branch_index", "rule"}`` objects."""
+        return {
+            "branches_launched": self.branches_launched,
+            "branches_cancelled": self.branches_cancelled,
+            "decode_tokens": self.decode_tokens,
+            "stopped_by": [{"branch_index": index, "rule": rule} for index, rule in self.stopped_by],
+            "stopped_request_by": self.stopped_request_by,
+            "confidence_threshold": self.confidence_threshold,
+        }
+
 
 _RUNNING, _FINAL, _DROPPED = 0, 1, 2  # a branch decoding; ended and voting (maybe); stopped out of the vote
 
@@ -352,6 +394,7 @@ class EarlyStopMonitor:
         self._request_rule: str | None = None
         self._unsure = False  # a NaN weight: the decided rule cannot reason about the vote
         self._gap = -math.inf  # the finished voters' leader weight minus the runner-up's
+        self._reference_tokens: int | None = None  # the length rule's reference, once known
         self._scale = 0.0  # all finished voters' weight, for the float slack
 
     @property
@@ -387,6 +430,8 @@ class EarlyStopMonitor:
                 if self._below_threshold(branch):
                     self._drop(branch, "confidence", stop)
             changed = True
+        if self.config.length is not None:
+            self._cut_long(stop)
         if changed:
             self._tally()
         add = 0
@@ -507,6 +552,22 @@ class EarlyStopMonitor:
 
     def _below_threshold(self, branch: _Branch) -> bool:
         return self._threshold is not None and branch.lowest_window < self._threshold
+
+    # -- length -----------------------------------------------------------------------------------
+    def _cut_long(self, stop: set[int]) -> None:
+        """Once ``finished_fraction`` of the launched branches have finished, drop the running ones
+        longer than ``factor`` times the length at which that share was reached."""
+        config = self.config.length
+        if self._reference_tokens is None:
+            finished = sorted(b.num_tokens for b in self._branches.values() if b.state == _FINAL)
+            needed = max(1, math.ceil(config.finished_fraction * self._launched))
+            if len(finished) < needed:
+                return
+            self._reference_tokens = finished[needed - 1]
+        limit = config.factor * self._reference_tokens
+        for branch in self._running():
+            if branch.num_tokens > limit:
+                self._drop(branch, "length", stop)
 
     # -- decided ----------------------------------------------------------------------------------
     def _tally(self) -> None:

@@ -493,6 +493,7 @@ def test_a_bad_setting_raises_an_error_naming_its_field(build, error, field):
     ("answered", EarlyStopConfig(answered=AnsweredConfig())),
     ("adaptive", EarlyStopConfig(adaptive=AdaptiveConfig())),
     ("confidence", EarlyStopConfig(confidence=ConfidenceConfig())),
+    ("length", EarlyStopConfig(length=early_stop.LengthConfig())),
 ])
 def test_each_rule_name_resolves_to_decided_plus_that_rule(name, expected):
     assert resolve_early_stop(name) == expected
@@ -502,7 +503,7 @@ def test_resolve_early_stop_passes_none_and_configs_through_and_names_the_valid_
     config = EarlyStopConfig(decided=False)
     assert resolve_early_stop(None) is None
     assert resolve_early_stop(config) is config
-    with pytest.raises(ValueError, match=r"early_stop must be .*\['decided', 'answered', 'adaptive', 'confidence'\]"):
+    with pytest.raises(ValueError, match=r"early_stop must be .*\['decided', 'answered', 'adaptive', 'confidence', 'length'\]"):
         resolve_early_stop("fast")
     with pytest.raises(TypeError, match="early_stop must be"):
         resolve_early_stop(True)
@@ -513,3 +514,37 @@ def test_all_lists_exactly_the_public_names():
               if not name.startswith("_") and getattr(value, "__module__", None) == early_stop.__name__}
     assert public <= set(early_stop.__all__), f"public but not exported: {public - set(early_stop.__all__)}"
     assert all(hasattr(early_stop, name) for name in early_stop.__all__)
+
+
+def test_the_length_rule_cuts_branches_past_factor_times_the_quartile_finish_and_they_leave_the_vote():
+    from rksc_engine.early_stop import LengthConfig
+
+    # Branch 0 finishes at 5 tokens: with 4 launched, the first quarter has finished, the reference is
+    # 5 and factor 2 cuts any branch at its 11th token. Branch 1 ends at 9, branches 2 and 3 ramble.
+    lengths = [5, 9, 30, 40]
+    scripts = [answer_script(str(i % 2), [-0.1] * k) for i, k in enumerate(lengths)]
+    config = EarlyStopConfig(decided=False, length=LengthConfig(finished_fraction=0.25, factor=2.0))
+    monitor = EarlyStopMonitor(config, n=4, extract=extract_ans, max_new_tokens=64)
+    run = replay(monitor, scripts)
+    assert run.stopped_at == {2: 11, 3: 11}
+    assert dict(monitor.report().stopped_by) == {2: "length", 3: "length"}
+    completions = [run.completions[i] for i in range(4)]
+    assert monitor.voting(completions) == [True, True, False, False]
+
+
+def test_the_length_rule_waits_for_its_share_of_finished_branches():
+    from rksc_engine.early_stop import LengthConfig
+
+    scripts = [answer_script("1", [-0.1] * k) for k in (6, 7, 30, 30)]
+    config = EarlyStopConfig(decided=False, length=LengthConfig(finished_fraction=0.5, factor=2.0))
+    monitor = EarlyStopMonitor(config, n=4, extract=extract_ans, max_new_tokens=64)
+    run = replay(monitor, scripts)
+    assert run.stopped_at == {2: 15, 3: 15}  # the second finish (7 tokens) sets the reference
+
+
+@pytest.mark.parametrize("field, value", [("finished_fraction", 0.0), ("finished_fraction", 1.5), ("factor", 1.0)])
+def test_length_config_errors_name_the_field(field, value):
+    from rksc_engine.early_stop import LengthConfig
+
+    with pytest.raises(ValueError, match=f"length.{field}"):
+        LengthConfig(**{field: value})

@@ -19,6 +19,7 @@ from rksc_engine.early_stop import (
     AnsweredConfig,
     ConfidenceConfig,
     EarlyStopConfig,
+    LengthConfig,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +44,7 @@ RULES = {
     "confidence": EarlyStopConfig(confidence=ConfidenceConfig(window_tokens=4, warmup_branches=3, percentile=30.0)),
     "adaptive": EarlyStopConfig(adaptive=AdaptiveConfig(wave_size=3, threshold=0.8)),
     "adaptive esc": EarlyStopConfig(decided=False, adaptive=AdaptiveConfig(wave_size=2, method="esc")),
+    "length": EarlyStopConfig(length=LengthConfig(finished_fraction=0.25, factor=1.5)),
 }
 
 
