@@ -52,6 +52,7 @@ from rksc_engine.datasets import (
     synthetic_choice_problems,
     synthetic_problems,
 )
+from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
 from rksc_engine.reasoning import BranchAnswer, extract_choice_letter, verify_and_pick
 from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
 
@@ -312,25 +313,29 @@ class _EngineArm:
     """An arm that runs the rksc engine in one configuration."""
 
     def __init__(self, name: str, engine: RKSCEngine, *, share_prefill: bool, cgee: CGEEConfig,
-                 extract: Callable[[str], str | None]) -> None:
+                 extract: Callable[[str], str | None], early_stop: EarlyStopConfig | None = None) -> None:
         self.name, self.engine, self.share_prefill, self.cgee, self.extract = name, engine, share_prefill, cgee, extract
+        self.early_stop = early_stop
 
     def run(self, q: int, problem: Problem, shots: list[Problem], config: BenchConfig) -> ArmRecord:
         engine = self.engine
         before = engine.stats().prompt_tokens_computed
         start = time.perf_counter()
-        completions = []
+        completions, branches = [], []
         per_wording = config.branches // config.ensemble
         for w in range(config.ensemble):
             messages = _messages(config.answer_format, problem.question, shots, w)
             base = config.seed + 1000 * q + w * per_wording
             params = _params(config, base)
+            if self.share_prefill and self.early_stop is not None:
+                branches += self._early_stopped(messages, per_wording, params)
+                continue
             if self.share_prefill:
                 completions += engine.generate_branches(messages, per_wording, params)
             else:
                 # Each branch on its own: same seed as branch i of the batch, so the same text.
                 completions += [engine.generate(messages, _params(config, base + i)) for i in range(per_wording)]
-        branches = [BranchAnswer(c.text, self.extract(c.text), c.confidence) for c in completions]
+        branches += [BranchAnswer(c.text, self.extract(c.text), c.confidence) for c in completions]
         judge = LLMJudgeVerifier(engine, system_prompt=JUDGE_PROMPTS[config.answer_format])
         answer, report, _ = verify_and_pick(problem.question, branches, judge, self.cgee)
         wall = time.perf_counter() - start
@@ -340,6 +345,15 @@ class _EngineArm:
             exit_layers=[x for x in report.exit_layers if x is not None], num_layers=report.num_layers,
             level=_level(problem),
         )
+
+
+    def _early_stopped(self, messages: list[dict], n: int, params: SamplingParams) -> list[BranchAnswer]:
+        """``n`` branches under the arm's early-stop rules, as ``engine.reason`` runs them; branches a
+        rule took out of the vote stay, unvoted."""
+        monitor = EarlyStopMonitor(self.early_stop, n=n, extract=self.extract, max_new_tokens=params.max_new_tokens)
+        got = self.engine.submit(messages, monitor.initial_branches, params, monitor=monitor, max_branches=n).result()
+        return [BranchAnswer(c.text, answer, c.confidence, votes)
+                for c, answer, votes in zip(got, monitor.answers(got), monitor.voting(got))]
 
 
 class _LangChainHFArm:
@@ -440,7 +454,10 @@ def build_arms(config: BenchConfig, model: Any, tokenizer: Any) -> tuple[list[An
         if engine_config is None:
             unavailable[name] = "this rksc build has no ASKS"
             continue
-        arms.append(_EngineArm(name, RKSCEngine(model, tokenizer, engine_config), share_prefill=share, cgee=cgee, extract=extract))
+        # The rksc arm runs reason's shipped default, early stop "decided" (exact: same answers).
+        early_stop = resolve_early_stop("decided") if name == "rksc" else None
+        arms.append(_EngineArm(name, RKSCEngine(model, tokenizer, engine_config), share_prefill=share, cgee=cgee,
+                               extract=extract, early_stop=early_stop))
     return arms, unavailable
 
 
