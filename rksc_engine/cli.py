@@ -1,5 +1,6 @@
 """``rksc ask``: answer a question with self-consistency over ``--branches`` reasoning branches
-that share one computed prompt.
+that share one computed prompt; ``--early-stop`` picks when branches stop early (default ``decided``:
+once they cannot change the vote's winner), and the output says what that saved.
 
 The ``rksc`` command itself lives in ``rksc_cli``, above this package, which adds this subcommand
 with ``add_arguments``/``run`` beside ``rksc bench``; ``python -m rksc_engine.cli ask ...`` runs it
@@ -16,6 +17,8 @@ import time
 from .cgee import CGEEConfig
 from .config import SamplingParams
 from .datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
+from .early_stop import EARLY_STOP_RULES
+from .reasoning import ReasoningResult
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed, stop=("<|im_end|>",))
     cgee = CGEEConfig.off() if args.no_cgee else None  # None: the engine's EngineConfig.cgee defaults
     t0 = time.perf_counter()
-    result = engine.reason(args.question, n=args.branches, params=params, prompt=messages, cgee=cgee)
+    early_stop = None if args.early_stop == "off" else args.early_stop
+    result = engine.reason(args.question, n=args.branches, params=params, prompt=messages, cgee=cgee,
+                           early_stop=early_stop)
     gen_s = time.perf_counter() - t0
     branches = result.branches
     winner, votes = result.answer, result.votes
@@ -39,24 +44,41 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "answer": winner, "votes": dict(votes),
-            "branches": [{"answer": b.answer, "confidence": b.confidence, "text": b.text} for b in branches],
+            "branches": [{"answer": b.answer, "confidence": b.confidence, "voted": b.voted, "text": b.text}
+                         for b in branches],
             "verification": result.verification.summary(),
+            "early_stop": result.early_stop.as_dict() if result.early_stop is not None else None,
             "stats": stats.as_dict(), "load_s": load_s, "generate_s": gen_s,
         }, indent=2))
         return 0
     print(f"Question: {args.question}")
     print(f"Model: {engine.model_name} | branches: {args.branches}")
+    stopped = dict(result.early_stop.stopped_by) if result.early_stop is not None else {}
     for i, b in enumerate(branches):
         first_line = b.text.strip().splitlines()[0] if b.text.strip() else ""
-        print(f"  branch {i}: answer={b.answer!s:>8}  confidence={b.confidence:.3f}  {first_line[:70]}")
+        mark = f"  [stopped: {stopped[i]}]" if i in stopped else ""
+        print(f"  branch {i}: answer={b.answer!s:>8}  confidence={b.confidence:.3f}{mark}  {first_line[:70]}")
     print(f"Majority vote: {result.vote_summary.winner}  (confidence-weighted share p={result.vote_summary.p:.2f}, "
           f"lead={result.vote_summary.lead:.2f})")
     print(result.verification.summary())
     print(f"Answer: {winner}  votes={dict(votes)}")
+    print(_early_stop_line(args.early_stop, result))
     print(f"Prompt tokens computed: {stats.prompt_tokens_computed} (once for all {args.branches} branches; "
           f"reused from cache: {stats.prompt_tokens_reused}) | decode tokens: {stats.decode_tokens} | "
           f"cache: {stats.cache_bytes / 2**20:.1f} MiB | generate: {gen_s:.1f}s (load {load_s:.1f}s)")
     return 0
+
+
+def _early_stop_line(rule: str, result: ReasoningResult) -> str:
+    """What early stopping did, in one line: branches launched and cancelled, tokens the branches
+    decoded, and the rule that ended the request early, if one did."""
+    report = result.early_stop
+    if report is None:
+        decoded = sum(c.num_generated_tokens for c in result.completions)
+        return f"Early stop: off (every branch ran to its end; {decoded} tokens decoded)"
+    ended = f"; request stopped by {report.stopped_request_by}" if report.stopped_request_by else ""
+    return (f"Early stop ({rule}): {report.branches_launched} branches launched, {report.branches_cancelled} "
+            f"cancelled, {report.decode_tokens} tokens decoded{ended}")
 
 
 ASK_HELP = "answer a question by self-consistency over N branches"
@@ -76,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-cgee", action="store_true", help="always run the verifier at full depth")
+    parser.add_argument("--early-stop", choices=[*EARLY_STOP_RULES, "off"], default="decided",
+                        help="when branches stop early: decided (default; exact, once they cannot change the "
+                             "vote's winner), the approximate rules (decided plus that rule), or off")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 

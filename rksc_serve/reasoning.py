@@ -13,9 +13,11 @@ Promises:
       ``engine.tree_search`` and decides nothing else, so the served answer is the engine's answer to
       those arguments. Sampling fields left out keep the engine's defaults for the call
       (``DEFAULT_REASON_PARAMS``, ``DEFAULT_SEARCH_PARAMS``); ``cgee`` fields left out keep the
-      engine's own ``EngineConfig.cgee``.
+      engine's own ``EngineConfig.cgee``; ``early_stop`` left out is the engine's default, ``"decided"``
+      (exact: it never changes the vote's winner), and null runs every branch to its end.
     * Answers are the engine's result dataclasses as JSON (``reasoning_body``, ``search_body``);
-      ``finish_reason`` is the engine's (``"eos"``, ``"stop"``, ``"length"``), not OpenAI's.
+      ``finish_reason`` is the engine's (``"eos"``, ``"stop"``, ``"length"``, ``"cancelled"`` for a
+      branch an early-stop rule stopped), not OpenAI's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from rksc_engine import CGEEConfig, SamplingParams, SearchResult
 from rksc_engine.config import MAX_SEED
 from rksc_engine.datasets import Problem
+from rksc_engine.early_stop import (
+    EARLY_STOP_RULES,
+    AdaptiveConfig,
+    AnsweredConfig,
+    ConfidenceConfig,
+    EarlyStopConfig,
+    LengthConfig,
+)
 from rksc_engine.reasoning import DEFAULT_REASON_PARAMS, EXTRACTORS, ReasoningResult
 from rksc_engine.tree_search import DEFAULT_SEARCH_PARAMS, SCORER_NAMES
 
@@ -87,6 +97,90 @@ class CGEEOverrides(BaseModel):
         except (TypeError, ValueError) as error:
             head = str(error).split(" ", 1)[0]  # CGEEConfig names the field first: "cgee.tau_conf must be ..."
             raise InvalidRequest(str(error), head if head.startswith("cgee.") else "cgee") from None
+
+
+class AnsweredOverrides(BaseModel):
+    """The ``answered`` rule (``AnsweredConfig``): end a branch once its answer is settled."""
+
+    model_config = _RKSC
+
+    pattern: str | None = None
+    """Regular expression a completed line must match to settle the answer; default ``#### <digit>``."""
+
+
+class AdaptiveOverrides(BaseModel):
+    """The ``adaptive`` rule (``AdaptiveConfig``): launch in waves, stop launching once the vote looks settled."""
+
+    model_config = _RKSC
+
+    wave_size: int | None = None
+    """Branches per wave, >= 1."""
+    threshold: float | None = None
+    """The posterior the leader must reach, in (0, 1]."""
+    method: str | None = None
+    """``"beta"``, ``"dirichlet"`` or ``"esc"``."""
+    min_branches: int | None = None
+    """Branches to launch before the rule may stop, >= 1."""
+
+
+class ConfidenceOverrides(BaseModel):
+    """The ``confidence`` rule (``ConfidenceConfig``): drop branches below the warm-up branches' threshold."""
+
+    model_config = _RKSC
+
+    window_tokens: int | None = None
+    """Tokens per sliding window, >= 1."""
+    warmup_branches: int | None = None
+    """Branches, run to their end, that set the threshold, >= 1."""
+    percentile: float | None = None
+    """The threshold's percentile of the warm-up branches' lowest window means, in [0, 100]."""
+
+
+class LengthOverrides(BaseModel):
+    """The ``length`` rule (``LengthConfig``): stop branches that run far longer than the first to finish."""
+
+    model_config = _RKSC
+
+    finished_fraction: float | None = None
+    """The share of launched branches that must have finished before the cut applies, in (0, 1]."""
+    factor: float | None = None
+    """A running branch longer than this times the reference length is stopped, > 1."""
+
+
+_RULES = (("answered", AnsweredConfig), ("adaptive", AdaptiveConfig), ("confidence", ConfidenceConfig),
+          ("length", LengthConfig))
+
+
+class EarlyStopOverrides(BaseModel):
+    """``early_stop`` as an object: the rules to run. A rule given (``{}`` for its defaults) runs; a
+    field left out keeps ``EarlyStopConfig``'s default (``decided`` on, the other rules off). Ranges
+    are the engine's own (checked by ``config``)."""
+
+    model_config = _RKSC
+
+    decided: bool | None = None
+    """Stop the running branches once they cannot change the vote's winner (default true)."""
+    answered: AnsweredOverrides | None = None
+    """End each branch once its answer is settled."""
+    adaptive: AdaptiveOverrides | None = None
+    """Launch branches in waves, and no more once the vote looks settled."""
+    confidence: ConfidenceOverrides | None = None
+    """Drop branches whose sliding-window confidence falls below the warm-up threshold."""
+    length: LengthOverrides | None = None
+    """Drop branches that run past the tail cut."""
+
+    def config(self) -> EarlyStopConfig:
+        """The engine's ``EarlyStopConfig``; ``InvalidRequest`` naming ``early_stop.<rule>.<field>`` when
+        a value is out of range."""
+        try:
+            rules = {name: kind(**getattr(self, name).model_dump(exclude_none=True))
+                     for name, kind in _RULES if getattr(self, name) is not None}
+            decided = {} if self.decided is None else {"decided": self.decided}
+            return EarlyStopConfig(**decided, **rules)
+        except (TypeError, ValueError) as error:
+            # The configs name the field first: "adaptive.wave_size must be >= 1, got 0".
+            message = str(error).removeprefix("early_stop.")
+            raise InvalidRequest(f"early_stop.{message}", f"early_stop.{message.split(' ', 1)[0]}") from None
 
 
 class _RkscRequest(BaseModel):
@@ -160,17 +254,32 @@ class ReasonRequest(_RkscRequest):
     """Branches over one shared prefill, voted (at most the server's ``--max-n``)."""
     cgee: CGEEOverrides | None = None
     """CGEE thresholds for this call; None keeps the engine's."""
+    early_stop: EarlyStopOverrides | None = Field(default_factory=EarlyStopOverrides)
+    """When to stop branches early: a rule name (``"decided"``, the default; ``"answered"``,
+    ``"adaptive"``, ``"confidence"``, ``"length"``: ``decided`` plus that rule with its defaults), an
+    object naming the rules and their settings, or null to run every branch to its end."""
 
     @field_validator("n")
     @classmethod
     def _n_within_limit(cls, value: int, info: ValidationInfo) -> int:
         return within_max_n(value, info)
 
+    @field_validator("early_stop", mode="before")
+    @classmethod
+    def _rule_name_as_object(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        if value not in EARLY_STOP_RULES:
+            raise ValueError(f"must be null, an object or one of {list(EARLY_STOP_RULES)}, got {value!r}")
+        # As the engine reads a name: decided, plus the named rule with its defaults.
+        return EarlyStopOverrides() if value == "decided" else EarlyStopOverrides.model_validate({value: {}})
+
     def engine_kwargs(self, engine_cgee: CGEEConfig) -> dict[str, Any]:
         """The keyword arguments of ``engine.areason``; ``engine_cgee`` is what ``cgee`` overrides."""
         return {"n": self.n, "params": self._sampling_params(DEFAULT_REASON_PARAMS), **self._prompt_kwargs(),
                 "answer_extractor": self.answer_extractor,
-                "cgee": None if self.cgee is None else self.cgee.over(engine_cgee)}
+                "cgee": None if self.cgee is None else self.cgee.over(engine_cgee),
+                "early_stop": None if self.early_stop is None else self.early_stop.config()}
 
 
 class TreeSearchRequest(_RkscRequest):
@@ -212,7 +321,7 @@ class TreeSearchRequest(_RkscRequest):
 # The engine argument an engine ValueError/TypeError message starts with -> the body field.
 _ENGINE_ARGUMENTS = {"question": "question", "few_shot": "few_shot", "answer_extractor": "answer_extractor",
                      "breadth": "breadth", "depth": "depth", "beam": "beam", "step_delimiter": "step_delimiter",
-                     "scorer": "scorer", "params.seed": "seed", "cgee": "cgee"}
+                     "scorer": "scorer", "params.seed": "seed", "cgee": "cgee", "early_stop": "early_stop"}
 
 
 def engine_error_field(message: str, prompt_field: str, n_field: str) -> str:
@@ -233,14 +342,16 @@ def _envelope(kind: str, model: str) -> dict[str, Any]:
 
 
 def reasoning_body(result: ReasoningResult, model: str) -> dict[str, Any]:
-    """The answer of ``/v1/rksc/reason``: the pick, the vote, every branch, the CGEE report, the usage."""
+    """The answer of ``/v1/rksc/reason``: the pick, the vote, every branch (and whether it voted), the
+    CGEE report, what early stopping did (null when it was off), the usage."""
     report = result.verification
     return {
         **_envelope("reason", model),
         "answer": result.answer,
         "votes": dict(result.votes),
         "vote_shares": dict(result.vote_summary.shares),
-        "branches": [{"text": b.text, "answer": b.answer, "confidence": b.confidence, "finish_reason": c.finish_reason}
+        "branches": [{"text": b.text, "answer": b.answer, "confidence": b.confidence, "finish_reason": c.finish_reason,
+                      "voted": b.voted}
                      for b, c in zip(result.branches, result.completions)],
         "verification": {
             "skipped": report.skipped, "reason": report.reason, "p": report.p, "lead": report.lead,
@@ -248,6 +359,7 @@ def reasoning_body(result: ReasoningResult, model: str) -> dict[str, Any]:
             "exit_layers": {s.answer: s.exit_layer for s in report.scores},
             "num_layers": report.num_layers, "verify_s": report.verify_s, "time_saved_s": report.time_saved_s,
         },
+        "early_stop": result.early_stop.as_dict() if result.early_stop is not None else None,
         "usage": usage([result.completions]),
     }
 

@@ -8,6 +8,7 @@ from .llms import RKSCLLM
 from .reasoner import (
     CGEE_EVENT,
     EARLY_EXIT_EVENT,
+    EARLY_STOP_EVENT,
     REASONER_EVENTS,
     VOTE_EVENT,
     CacheReuse,
@@ -23,6 +24,7 @@ __all__ = [
     "CACHE_EVENT",
     "CGEE_EVENT",
     "EARLY_EXIT_EVENT",
+    "EARLY_STOP_EVENT",
     "REASONER_EVENTS",
     "VOTE_EVENT",
     "CGEEDecision",

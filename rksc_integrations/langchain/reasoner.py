@@ -30,14 +30,21 @@ Warnings: ``temperature=0`` with ``n > 1`` (every branch would be the same), and
 branches all ran out of ``max_new_tokens`` before stating an answer (``answer`` is then None
 for want of tokens; ``ReasonerOutput.num_truncated`` counts such branches on every call).
 
-Output: a ``ReasonerOutput`` (answer, votes, branches, the CGEE decision, the call's cache
-accounting); ``ReasonerOutput.result`` is the engine's full ``ReasoningResult``.
+Output: a ``ReasonerOutput`` (answer, votes, branches, the CGEE decision, what early stopping did,
+the call's cache accounting); ``ReasonerOutput.result`` is the engine's full ``ReasoningResult``.
+
+Early stop: the ``early_stop`` field (or per call, ``invoke(q, early_stop=None)``) is
+``RKSCEngine.reason``'s: ``"decided"`` (the default; exact, it never changes the vote's winner),
+``"answered"``, ``"adaptive"``, ``"confidence"``, ``"length"``, an ``EarlyStopConfig``, or None to run
+every branch to its end. A stopped branch stays in ``branches`` with ``finish_reason="cancelled"``; ``voted`` says
+whether it was counted.
 
 Events, sent on every call to the callbacks of the reasoner's run (and so in ``astream_events``):
-``rksc_vote`` (the vote), ``rksc_cgee`` (verification skipped or not, why, scores, exit layers),
-``rksc_early_exit`` (only when a verifier pass stopped before the last layer) and
-``rksc_cache_reuse`` (prompt tokens computed vs served from the prefix cache during the call, and
-the one prefill the branches shared).
+``rksc_early_stop`` (only when an early-stop rule stopped branches or the request: the
+``EarlyStopReport`` as a dict), ``rksc_vote`` (the vote), ``rksc_cgee`` (verification skipped or not,
+why, scores, exit layers), ``rksc_early_exit`` (only when a verifier pass stopped before the last
+layer) and ``rksc_cache_reuse`` (prompt tokens computed vs served from the prefix cache during the
+call, and the one prefill the branches shared).
 ``RKSCEventCollector`` gathers them.
 """
 
@@ -64,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.datasets import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
+from rksc_engine.early_stop import resolve_early_stop
 from rksc_engine.reasoning import EXTRACTORS, ReasoningResult
 from rksc_engine.verifier import CallableVerifier, Verifier, as_verifier
 
@@ -75,10 +83,12 @@ from .messages import content_text
 VOTE_EVENT = "rksc_vote"
 CGEE_EVENT = "rksc_cgee"
 EARLY_EXIT_EVENT = "rksc_early_exit"
-REASONER_EVENTS = (VOTE_EVENT, CGEE_EVENT, EARLY_EXIT_EVENT, CACHE_EVENT)
+EARLY_STOP_EVENT = "rksc_early_stop"
+REASONER_EVENTS = (EARLY_STOP_EVENT, VOTE_EVENT, CGEE_EVENT, EARLY_EXIT_EVENT, CACHE_EVENT)
 
 # Per-call keyword arguments (``reasoner.invoke(q, n=4)`` or ``reasoner.bind(n=4)``).
-CALL_KWARGS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "seed", "stop", "cgee")
+CALL_KWARGS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "seed", "stop", "cgee",
+               "early_stop")
 INPUT_KEYS = ("question", "few_shot", "messages")
 _ROLES = {"system": "system", "human": "user", "ai": "assistant"}
 
@@ -93,7 +103,10 @@ class ReasonerBranch(BaseModel):
     answer: str | None
     confidence: float
     finish_reason: str | None = None
-    """Why it ended: ``"eos"``, ``"stop"`` or ``"length"`` (``max_new_tokens`` reached)."""
+    """Why it ended: ``"eos"``, ``"stop"``, ``"length"`` (``max_new_tokens`` reached) or ``"cancelled"``
+    (an early-stop rule stopped it)."""
+    voted: bool = True
+    """Whether it counted in the vote (False when an early-stop rule took it out; ``answer`` is then None)."""
 
 
 class CGEEDecision(BaseModel):
@@ -165,6 +178,9 @@ class ReasonerOutput(BaseModel):
     branches: list[ReasonerBranch]
     cgee: CGEEDecision
     cache: CacheReuse
+    early_stop: dict[str, Any] | None = None
+    """What early stopping did (``EarlyStopReport.as_dict()``: branches launched and cancelled, decode
+    tokens, the rule per stopped branch, the rule that ended the request); None when it was off."""
     generate_s: float
     """Wall time of the branches' generation."""
     result: ReasoningResult = Field(exclude=True, repr=False)
@@ -231,6 +247,7 @@ class _Request:
     params: SamplingParams
     n: int
     cgee: CGEEConfig | None
+    early_stop: Any
     num_prompt_tokens: int = 0
 
 
@@ -242,7 +259,7 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             ``engine`` and ``model``; with none of them the embedded default engine is shared.
         engine: An ``RKSCEngine``.
         **fields: The fields below. ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
-            (or ``max_tokens``), ``seed``, ``stop`` and ``cgee`` can also be passed per call
+            (or ``max_tokens``), ``seed``, ``stop``, ``cgee`` and ``early_stop`` can also be passed per call
             (``invoke(q, n=4)``, ``.bind(n=4)``); other keyword arguments raise ``TypeError``.
 
     ``batch``/``abatch`` submit every input at once (unless ``max_concurrency`` says otherwise), so
@@ -285,6 +302,10 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
     Runnable taking ``{"question", "candidates"}`` and returning one score in [0, 1] per candidate."""
     cgee: CGEEConfig | None = None
     """CGEE thresholds; None uses the engine's default."""
+    early_stop: Any = "decided"
+    """When to stop branches early: ``"decided"`` (exact: once they cannot change the vote's winner),
+    ``"answered"``, ``"adaptive"``, ``"confidence"``, ``"length"``, an ``EarlyStopConfig``, or None (every
+    branch to its end)."""
 
     given_engine: RKSCEngine | None = Field(default=None, exclude=True, repr=False)
     """The engine passed as ``engine`` or taken from ``llm``. A field so that LangChain, which rebuilds a
@@ -324,6 +345,15 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             raise ValueError(f"answer_extractor must be a callable or one of {sorted(EXTRACTORS)}, got {value!r}")
         if not isinstance(value, str) and not callable(value):
             raise ValueError(f"answer_extractor must be a callable or a name, got {type(value).__name__}")
+        return value
+
+    @field_validator("early_stop")
+    @classmethod
+    def _check_early_stop(cls, value: Any) -> Any:
+        try:
+            resolve_early_stop(value)
+        except TypeError as error:  # pydantic reports only ValueErrors as a ValidationError
+            raise ValueError(str(error)) from None
         return value
 
     @field_validator("verifier")
@@ -396,12 +426,14 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
         cgee = kwargs.get("cgee", self.cgee)
         if cgee is not None and not isinstance(cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig, got {type(cgee).__name__}")
+        early_stop = kwargs.get("early_stop", self.early_stop)
+        resolve_early_stop(early_stop)  # a bad per-call value raises here, naming early_stop
         question, messages = self._prompt(input)
         num_prompt_tokens = len(self._engine.encode(messages))  # also rejects a bad prompt early
         if num_prompt_tokens >= self._engine.context_window:
             raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the model's context window is "
                              f"{self._engine.context_window}")
-        return _Request(question, messages, params, n, cgee, num_prompt_tokens)
+        return _Request(question, messages, params, n, cgee, early_stop, num_prompt_tokens)
 
     def _prompt(self, input: ReasonerInput) -> tuple[str, list[dict[str, str]]]:
         """``(question, prompt messages)`` of one input (see the module docstring for the forms)."""
@@ -449,7 +481,8 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
     def _keywords(self, request: _Request, verifier: Verifier | None) -> dict[str, Any]:
         keywords: dict[str, Any] = {"n": request.n, "params": request.params, "prompt": request.messages,
-                                    "answer_extractor": self.answer_extractor, "verifier": verifier}
+                                    "answer_extractor": self.answer_extractor, "verifier": verifier,
+                                    "early_stop": request.early_stop}
         if request.cgee is not None:
             keywords["cgee"] = request.cgee
         return keywords
@@ -550,10 +583,11 @@ def _output(request: _Request, result: ReasoningResult, cache: CacheReuse) -> Re
         votes=dict(result.votes.most_common()),
         vote_shares=dict(result.vote_summary.shares),
         branches=[ReasonerBranch(text=b.text, answer=b.answer, confidence=b.confidence,
-                                 finish_reason=getattr(c, "finish_reason", None))
+                                 finish_reason=getattr(c, "finish_reason", None), voted=b.voted)
                   for b, c in zip(result.branches, result.completions or [None] * len(result.branches))],
         cgee=decision,
         cache=cache,
+        early_stop=result.early_stop.as_dict() if result.early_stop is not None else None,
         generate_s=result.generate_s,
         result=result,
     )
@@ -567,7 +601,11 @@ def _events(output: ReasonerOutput) -> list[tuple[str, dict[str, Any]]]:
         "num_unanswered": sum(b.answer is None for b in output.branches),
         "num_truncated": output.num_truncated,
     }
-    events = [(VOTE_EVENT, vote), (CGEE_EVENT, output.cgee.model_dump())]
+    events = []
+    stop = output.early_stop
+    if stop is not None and (stop["branches_cancelled"] or stop["stopped_request_by"] is not None):
+        events.append((EARLY_STOP_EVENT, {"question": output.question, **stop}))  # first: it acted before the vote
+    events += [(VOTE_EVENT, vote), (CGEE_EVENT, output.cgee.model_dump())]
     if output.cgee.exited_early:
         events.append((EARLY_EXIT_EVENT, {
             "exit_layers": output.cgee.exit_layers, "num_layers": output.cgee.num_layers,

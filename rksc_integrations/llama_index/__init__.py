@@ -12,6 +12,7 @@ from .events import (
     RKSCCacheReuseEvent,
     RKSCCGEESkipEvent,
     RKSCEarlyExitEvent,
+    RKSCEarlyStopEvent,
     RKSCVerificationEvent,
 )
 from .llm import GENERATION_KWARGS, RKSCLLM
@@ -26,6 +27,7 @@ __all__ = [
     "RKSCCGEESkipEvent",
     "RKSCCacheReuseEvent",
     "RKSCEarlyExitEvent",
+    "RKSCEarlyStopEvent",
     "RKSCLLM",
     "RKSCVerificationEvent",
     "normalise_answer",

@@ -11,7 +11,11 @@ exit when ``CGEEConfig.exit_enabled``) and the answer with the largest ``share x
 returned text is the most confident branch with the winning key. ``verifier=None`` votes only.
 
 ``RKSCBranchQueryEngine`` wraps any query engine and puts every decision made while answering a
-query into ``response.metadata["rksc"]``.
+query into ``response.metadata["rksc"]``. Its ``early_stop`` setting (``RKSCEngine.reason``'s: by
+default ``"decided"``, which never changes the vote's winner) applies to the multi-branch calls made
+while it answers: their branches run under the engine's ``EarlyStopMonitor``, the branches it takes out
+of the vote cast none, and each decision carries the monitor's report. Calls outside such a query run
+every branch to its end.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from llama_index.core.schema import QueryBundle
 
 from rksc_engine.answers import majority_vote
 from rksc_engine.cgee import CGEEConfig
+from rksc_engine.config import SamplingParams
+from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
 from rksc_engine.reasoning import BranchAnswer, verify_and_pick
 from rksc_engine.types import Completion
 from rksc_engine.verifier import LLMJudgeVerifier, Verifier, as_verifier
@@ -43,8 +49,22 @@ _STRIP = string.punctuation + string.whitespace + "\u201c\u201d\u2018\u2019"
 JUDGE_SYSTEM_PROMPT = "You check answers to questions about the given information. Reply with Yes or No only."
 JUDGE_TEMPLATE = "{question}\n\nProposed answer: {answer}\nIs the proposed answer correct?"
 
-# Set by RKSCBranchQueryEngine for the duration of one query; RKSCLLM appends its decisions here.
-_collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("rksc_branch_decisions", default=None)
+
+@dataclass
+class BranchCollector:
+    """What one ``RKSCBranchQueryEngine`` query hands the ``RKSCLLM`` calls it makes.
+
+    Attributes:
+        decisions: Each multi-branch call's ``BranchDecision.as_dict()``, in order (the calls append).
+        early_stop: The early stop those calls run under; None: every branch to its end.
+    """
+
+    decisions: list = field(default_factory=list)
+    early_stop: EarlyStopConfig | None = None
+
+
+# Set by RKSCBranchQueryEngine for the duration of one query; RKSCLLM reads it when a call starts.
+_collector: contextvars.ContextVar[BranchCollector | None] = contextvars.ContextVar("rksc_branch_query", default=None)
 
 
 def normalise_answer(text: str) -> str | None:
@@ -94,6 +114,7 @@ class BranchDecision:
         verify_s: Wall time spent verifying.
         time_saved_s: CGEE's estimate of verifier time saved against full verification (see
             ``rksc_engine.reasoning.VerificationReport``); None when it cannot be estimated yet.
+        early_stop: What early stopping did (``EarlyStopReport.as_dict()``); None when it was off.
     """
 
     num_branches: int
@@ -111,6 +132,7 @@ class BranchDecision:
     layers_saved: int = 0
     verify_s: float = 0.0
     time_saved_s: float | None = 0.0
+    early_stop: dict[str, Any] | None = None
 
     @property
     def exited_early(self) -> bool:
@@ -123,19 +145,39 @@ class BranchDecision:
         return asdict(self)
 
 
+def branch_monitor(collector: BranchCollector | None, n: int, answer_key: AnswerKey,
+                   params: SamplingParams) -> EarlyStopMonitor | None:
+    """The early-stop monitor of an ``n``-branch call made during ``collector``'s query; None when
+    the call runs every branch to its end (outside a query, early stop off, or a single branch)."""
+    if collector is None or collector.early_stop is None or n == 1:
+        return None
+    return EarlyStopMonitor(collector.early_stop, n=n, extract=answer_key, max_new_tokens=params.max_new_tokens)
+
+
+def submit_branches(engine: Any, prompt: Any, n: int, params: SamplingParams, monitor: EarlyStopMonitor | None) -> Any:
+    """Submit ``n`` branches of ``prompt``, watched by ``monitor`` when there is one; the handle."""
+    if monitor is None:
+        return engine.submit(prompt, n, params)
+    return engine.submit(prompt, monitor.initial_branches, params, monitor=monitor, max_branches=n)
+
+
 def decide(
     completions: Sequence[Completion], answer_key: AnswerKey, cgee: CGEEConfig,
-    *, question: str = "", verifier: Verifier | None = None,
+    *, question: str = "", verifier: Verifier | None = None, monitor: EarlyStopMonitor | None = None,
 ) -> BranchDecision:
     """Vote over ``completions``, verify unless CGEE skips, and pick the branch to return (see the
-    module docstring). Without a verifier the confidence-weighted vote winner is the answer.
+    module docstring). Without a verifier the confidence-weighted vote winner is the answer. With
+    the ``monitor`` the branches ran under, only the branches its rules left in the vote vote.
 
     Raises:
         Whatever the verifier raises; the engine stays usable (the judge cleans up after itself).
     """
-    keys = [answer_key(c.text) for c in completions]
+    if monitor is None:
+        keys, voted = [answer_key(c.text) for c in completions], [True] * len(completions)
+    else:
+        keys, voted = monitor.answers(completions), monitor.voting(completions)
     _, votes = majority_vote(keys)
-    branches = [BranchAnswer(c.text, k, c.confidence) for c, k in zip(completions, keys)]
+    branches = [BranchAnswer(c.text, k, c.confidence, v) for c, k, v in zip(completions, keys, voted)]
     answer, report, _ = verify_and_pick(question, branches, verifier, cgee)
     chosen = 0
     if answer is not None:
@@ -146,11 +188,12 @@ def decide(
         verified=bool(report.scores), scores={s.answer: s.score for s in report.scores},
         exit_layers=list(report.exit_layers), num_layers=report.num_layers, layers_saved=report.layers_saved,
         verify_s=report.verify_s, time_saved_s=getattr(report, "time_saved_s", None),
+        early_stop=monitor.report().as_dict() if monitor is not None else None,
     )
 
 
-def current_collector() -> list | None:
-    """The decision list of the query being answered, if a ``RKSCBranchQueryEngine`` is running one."""
+def current_collector() -> BranchCollector | None:
+    """The collector of the query being answered, if a ``RKSCBranchQueryEngine`` is running one."""
     return _collector.get()
 
 
@@ -162,15 +205,30 @@ class RKSCBranchQueryEngine(BaseQueryEngine):
         >>> qe = RKSCBranchQueryEngine(index.as_query_engine(llm=llm))
         >>> response = qe.query("Who maintains the lighthouse?")
         >>> response.metadata["rksc"]["final"]["cgee_skipped"]
+        >>> response.metadata["rksc"]["final"]["early_stop"]["branches_cancelled"]
 
     ``response.metadata["rksc"]`` holds ``decisions`` (one dict per LLM call, in order) and
     ``final`` (the last call's, the one that produced the answer). For a streaming response
     ``final`` is None and ``decisions`` fills as the stream is consumed.
+
+    Args:
+        query_engine: The query engine to run.
+        callback_manager: Default: the query engine's.
+        early_stop: When the multi-branch calls of a query stop their branches: ``"decided"`` (the
+            default; exact, once they cannot change the vote's winner), ``"answered"``, ``"adaptive"``,
+            ``"confidence"``, ``"length"``, an ``EarlyStopConfig``, or None (every branch to its end). The rules read
+            answers with the LLM's ``answer_key``.
+
+    Raises:
+        TypeError, ValueError: A bad ``query_engine`` or ``early_stop`` (named), before anything runs.
     """
 
-    def __init__(self, query_engine: BaseQueryEngine, callback_manager: CallbackManager | None = None) -> None:
+    def __init__(self, query_engine: BaseQueryEngine, callback_manager: CallbackManager | None = None, *,
+                 early_stop: None | str | EarlyStopConfig = "decided") -> None:
         if not isinstance(query_engine, BaseQueryEngine):
             raise TypeError(f"query_engine must be a LlamaIndex BaseQueryEngine, got {type(query_engine).__name__}")
+        self._early_stop = resolve_early_stop(early_stop)
+        self.early_stop = early_stop
         self._inner = query_engine
         super().__init__(callback_manager or getattr(query_engine, "callback_manager", None) or CallbackManager())
 
@@ -184,22 +242,22 @@ class RKSCBranchQueryEngine(BaseQueryEngine):
         pass
 
     def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        decisions: list = []
-        token = _collector.set(decisions)
+        collector = BranchCollector(early_stop=self._early_stop)
+        token = _collector.set(collector)
         try:
             response = self._inner.query(query_bundle)
         finally:
             _collector.reset(token)
-        return _attach(response, decisions)
+        return _attach(response, collector.decisions)
 
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        decisions: list = []
-        token = _collector.set(decisions)
+        collector = BranchCollector(early_stop=self._early_stop)
+        token = _collector.set(collector)
         try:
             response = await self._inner.aquery(query_bundle)
         finally:
             _collector.reset(token)
-        return _attach(response, decisions)
+        return _attach(response, collector.decisions)
 
 
 def _attach(response: Any, decisions: list) -> Any:

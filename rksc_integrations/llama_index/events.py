@@ -5,7 +5,8 @@ Each class subclasses ``BaseEvent``, so any handler added to the root dispatcher
 with the ``span_id`` of the LLM call that caused them.
 
 Emitted: ``RKSCCacheReuseEvent`` (every call); ``RKSCASKSReuseEvent`` (every call whose completion
-carries an ASKS decision); on a multi-branch call ``RKSCBranchVoteEvent``, ``RKSCCGEESkipEvent``
+carries an ASKS decision); on a multi-branch call ``RKSCEarlyStopEvent`` (when it ran under early
+stop, inside an ``RKSCBranchQueryEngine`` query), ``RKSCBranchVoteEvent``, ``RKSCCGEESkipEvent``
 (skipped or not), ``RKSCVerificationEvent`` (when the verifier ran) and ``RKSCEarlyExitEvent`` (when a
 verifier pass stopped before the judge model's last layer).
 """
@@ -72,6 +73,30 @@ class RKSCBranchVoteEvent(BaseEvent):
     @classmethod
     def class_name(cls) -> str:
         return "RKSCBranchVoteEvent"
+
+
+class RKSCEarlyStopEvent(BaseEvent):
+    """What early stopping did for the branches of one multi-branch call (``EarlyStopReport``).
+
+    Attributes:
+        branches_launched: Branches the call ran.
+        branches_cancelled: Branches an early-stop rule stopped.
+        decode_tokens: Tokens decoded over all the call's branches.
+        stopped_by: One ``{"branch_index", "rule"}`` per stopped branch, by branch index.
+        stopped_request_by: The rule that ended the call early (``"decided"``, ``"adaptive"``), or None.
+        confidence_threshold: The ``confidence`` rule's threshold on window means, once known; else None.
+    """
+
+    branches_launched: int
+    branches_cancelled: int
+    decode_tokens: int
+    stopped_by: list[dict[str, Any]] = []
+    stopped_request_by: str | None = None
+    confidence_threshold: float | None = None
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RKSCEarlyStopEvent"
 
 
 class RKSCCGEESkipEvent(BaseEvent):
@@ -168,8 +193,8 @@ class RKSCASKSReuseEvent(BaseEvent):
 
 
 RKSC_EVENT_TYPES = (
-    RKSCCacheReuseEvent, RKSCBranchVoteEvent, RKSCCGEESkipEvent, RKSCVerificationEvent, RKSCEarlyExitEvent,
-    RKSCASKSReuseEvent,
+    RKSCCacheReuseEvent, RKSCEarlyStopEvent, RKSCBranchVoteEvent, RKSCCGEESkipEvent, RKSCVerificationEvent,
+    RKSCEarlyExitEvent, RKSCASKSReuseEvent,
 )
 
 

@@ -63,18 +63,30 @@ from rksc_engine import tools as tool_protocol
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import ASKSConfig, EngineConfig
 from rksc_engine.constrained import ConstrainedResult, value_params
+from rksc_engine.early_stop import EarlyStopMonitor
 from rksc_engine.tools import ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
 from .._common import call_sampling_params, check_prompt_text, normalise_stop
 from .._engines import shared_engine
-from .branches import AnswerKey, BranchDecision, current_collector, decide, make_verifier, normalise_answer
+from .branches import (
+    AnswerKey,
+    BranchCollector,
+    BranchDecision,
+    branch_monitor,
+    current_collector,
+    decide,
+    make_verifier,
+    normalise_answer,
+    submit_branches,
+)
 from .events import (
     RKSCASKSReuseEvent,
     RKSCBranchVoteEvent,
     RKSCCacheReuseEvent,
     RKSCCGEESkipEvent,
     RKSCEarlyExitEvent,
+    RKSCEarlyStopEvent,
     RKSCVerificationEvent,
     dispatcher,
     emit,
@@ -303,6 +315,8 @@ class RKSCLLM(FunctionCallingLLM):
         return extra
 
     def _report_decision(self, decision: BranchDecision) -> None:
+        if decision.early_stop is not None:
+            emit(RKSCEarlyStopEvent(**decision.early_stop))
         emit(RKSCBranchVoteEvent(
             num_branches=decision.num_branches, answer=decision.answer, votes=decision.votes,
             chosen_branch=decision.chosen_branch,
@@ -315,9 +329,10 @@ class RKSCLLM(FunctionCallingLLM):
                 exit_layers=decision.exit_layers, num_layers=decision.num_layers, layers_saved=decision.layers_saved
             ))
 
-    def _generate(self, prompt: _Prompt, kwargs: dict[str, Any], collector: list | None = None) -> _Piece:
+    def _generate(self, prompt: _Prompt, kwargs: dict[str, Any], collector: BranchCollector | None = None) -> _Piece:
         """One call, as its final piece; a multi-branch decision is appended to ``collector`` (the
-        running ``RKSCBranchQueryEngine``'s list, captured by the caller in the caller's context)."""
+        running ``RKSCBranchQueryEngine``'s, captured by the caller in the caller's context), whose
+        early stop the branches run under."""
         params, n = self._params(kwargs)
         if prompt.tools is not None or prompt.output_schema is not None:
             params, _ = self._params({**kwargs, "branches": 1})  # one branch, at the call's own temperature
@@ -327,34 +342,38 @@ class RKSCLLM(FunctionCallingLLM):
             return self._free_tool_turn(prompt, params, completion)
         if n == 1:
             return self._branches_piece(prompt, [self._engine.generate(prompt.prompt, params)], 1, collector)
-        return self._branches_piece(prompt, self._engine.generate_branches(prompt.prompt, n, params), n, collector)
+        monitor = branch_monitor(collector, n, self.answer_key, params)
+        completions = submit_branches(self._engine, prompt.prompt, n, params, monitor).result()
+        return self._branches_piece(prompt, completions, n, collector, monitor)
 
-    async def _agenerate(self, prompt: _Prompt, kwargs: dict[str, Any], collector: list | None = None) -> _Piece:
+    async def _agenerate(self, prompt: _Prompt, kwargs: dict[str, Any],
+                         collector: BranchCollector | None = None) -> _Piece:
         """``_generate`` for asyncio: the branches are awaited from the engine's scheduler (batched with
         every other request, no thread); tool turns and the verifier's pass run in a worker thread."""
         params, n = self._params(kwargs)
         if prompt.tools is not None or prompt.output_schema is not None:
             return await run_in_thread(self._generate, prompt, kwargs, collector)
-        completions = await self._engine.submit(prompt.prompt, n, params)
+        monitor = branch_monitor(collector, n, self.answer_key, params)
+        completions = await submit_branches(self._engine, prompt.prompt, n, params, monitor)
         if n == 1:
             return self._branches_piece(prompt, completions, n, collector)
-        return await run_in_thread(self._branches_piece, prompt, completions, n, collector)
+        return await run_in_thread(self._branches_piece, prompt, completions, n, collector, monitor)
 
-    def _branches_piece(self, prompt: _Prompt, completions: list[Completion], n: int, collector: list | None) -> _Piece:
+    def _branches_piece(self, prompt: _Prompt, completions: list[Completion], n: int, collector: BranchCollector | None,
+                        monitor: EarlyStopMonitor | None = None) -> _Piece:
         """The piece of a free generation of ``n`` branches: the branch itself, or the one the vote and
         CGEE chose."""
         if n == 1:
             completion = completions[0]
             return _Piece(completion.text, completion.text, completion, self._report(completion, 1))
-        decision = decide(
-            completions, self.answer_key, self._cgee(), question=self._question(prompt.prompt), verifier=self._verifier
-        )
+        decision = decide(completions, self.answer_key, self._cgee(), question=self._question(prompt.prompt),
+                          verifier=self._verifier, monitor=monitor)
         completion = completions[decision.chosen_branch]
         extra = self._report(completion, n)
         self._report_decision(decision)
         extra["rksc_branches"] = decision.as_dict()
         if collector is not None:
-            collector.append(decision.as_dict())
+            collector.decisions.append(decision.as_dict())
         return _Piece(completion.text, completion.text, completion, extra)
 
     def _constrained(self, prompt: _Prompt, params: SamplingParams) -> _Piece:

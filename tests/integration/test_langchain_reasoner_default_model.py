@@ -16,6 +16,7 @@ from rksc_engine.datasets import SYSTEM_PROMPT, few_shot_messages, synthetic_pro
 from rksc_integrations.langchain import (  # noqa: E402
     CACHE_EVENT,
     CGEE_EVENT,
+    EARLY_STOP_EVENT,
     VOTE_EVENT,
     ChatRKSC,
     MultiBranchReasoner,
@@ -36,11 +37,15 @@ def test_eight_branches_over_a_cached_few_shot_prefix_are_voted_verified_and_rep
     runs: dict = {}
     for event in collector.events:
         runs.setdefault(event.run_id, []).append(event)
-    assert sorted([e.name for e in events] for events in runs.values()) == [[VOTE_EVENT, CGEE_EVENT, CACHE_EVENT]] * 2
+    assert len(runs) == 2
     by_question = {events[0].data["question"]: events for events in runs.values()}
     num_layers = reasoner.engine.model.config.num_hidden_layers
     for out in outputs:
-        vote, cgee, cache = by_question[out.question]
+        events = by_question[out.question]
+        # The early-stop event comes first, and only when a rule stopped something ("decided" by default).
+        stopped = out.early_stop["branches_cancelled"] or out.early_stop["stopped_request_by"] is not None
+        assert [e.name for e in events] == [EARLY_STOP_EVENT] * stopped + [VOTE_EVENT, CGEE_EVENT, CACHE_EVENT]
+        vote, cgee, cache = events[-3:]
         assert len(out.branches) == 8
         answered = [b.answer for b in out.branches if b.answer is not None]
         assert len(answered) >= 4, f"most branches should end in a number: {[b.text[-40:] for b in out.branches]}"

@@ -1,6 +1,6 @@
 """MultiBranchReasoner on the tiny seeded model: the engine's result, every input form, custom
-events through callbacks and astream_events, the CGEE decision, cache reuse, batch/async, per-call
-options, construction, bad input and a failing verifier."""
+events through callbacks and astream_events, the CGEE decision, early stop, cache reuse, batch/async,
+per-call options, construction, bad input and a failing verifier."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ from pydantic import ValidationError  # noqa: E402
 from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
 from rksc_engine.cgee import CGEEConfig  # noqa: E402
 from rksc_engine.datasets import SYSTEM_PROMPT, few_shot_messages, synthetic_problems  # noqa: E402
+from rksc_engine.early_stop import AnsweredConfig, EarlyStopConfig  # noqa: E402
 from rksc_engine.reasoning import ReasoningResult  # noqa: E402
 from rksc_integrations.langchain import (  # noqa: E402
     CACHE_EVENT,
     CGEE_EVENT,
+    EARLY_STOP_EVENT,
+    REASONER_EVENTS,
     RKSCLLM,
     VOTE_EVENT,
     ChatRKSC,
@@ -125,7 +128,8 @@ def test_the_output_serialises_to_json_without_the_engine_result(engine):
     dumped = out.model_dump()
     assert "result" not in dumped
     assert json.loads(json.dumps(dumped))["answer"] == out.answer
-    assert set(dumped) == {"question", "answer", "votes", "vote_shares", "branches", "cgee", "cache", "generate_s"}
+    assert set(dumped) == {"question", "answer", "votes", "vote_shares", "branches", "cgee", "cache", "early_stop",
+                           "generate_s"}
 
 
 def test_vote_cgee_and_cache_events_reach_a_callback_handler_under_the_reasoners_run(engine):
@@ -317,7 +321,8 @@ def test_it_is_built_from_a_chat_model_an_llm_or_an_engine_and_rejects_bad_setti
         MultiBranchReasoner("not a model")
     with pytest.raises(TypeError, match="engine must be an RKSCEngine"):
         MultiBranchReasoner(engine="not an engine")
-    for bad in ({"n": 0}, {"top_p": 1.5}, {"answer_extractor": "roman"}, {"verifier": 42}, {"n_branches": 3}):
+    for bad in ({"n": 0}, {"top_p": 1.5}, {"answer_extractor": "roman"}, {"verifier": 42}, {"n_branches": 3},
+                {"early_stop": "sometimes"}):
         with pytest.raises(ValidationError):
             MultiBranchReasoner(engine=engine, **bad)
 
@@ -349,3 +354,90 @@ def test_configurable_fields_rebuild_the_reasoner_on_the_same_engine(engine):
     out = configurable.invoke(QUESTION, config={"configurable": {"branches": 2}})
     assert len(out.branches) == 2 and out.cache.model_name == engine.model_name
     assert [b.text for b in out.branches] == [b.text for b in make_reasoner(engine, n=2).invoke(QUESTION).branches]
+
+
+# -- early stop ---------------------------------------------------------------------------------------
+def first_char_parity(text: str) -> str | None:
+    """Two answers from the first character: a vote that is often decided before every branch ends."""
+    return None if not text else ("odd" if ord(text[0]) % 2 else "even")
+
+
+def parity_reasoner(engine, seed, **fields):
+    # Stop strings end the branches at different lengths, so some still run when the vote is decided.
+    return make_reasoner(engine, n=8, max_tokens=24, temperature=0.5, seed=seed, stop=["a", "o"],
+                         answer_extractor=first_char_parity, cgee=CGEEConfig.off(), **fields)
+
+
+def decided_early(engine):
+    """``(seed, output)`` of the first seeded call whose branches the default rule cut short."""
+    for seed in range(12):
+        out = parity_reasoner(engine, seed).invoke(QUESTION)
+        if out.early_stop["branches_cancelled"]:
+            return seed, out
+    pytest.fail("'decided' never stopped a branch on twelve seeded two-answer votes")
+
+
+def test_early_stop_none_runs_every_branch_to_its_end_and_reports_nothing(engine):
+    collector = RKSCEventCollector()
+    seed, _ = decided_early(engine)
+    out = parity_reasoner(engine, seed, early_stop=None).invoke(QUESTION, config={"callbacks": [collector]})
+    assert out.early_stop is None and out.result.early_stop is None
+    assert all(b.finish_reason != "cancelled" and b.voted for b in out.branches), "early_stop=None cancelled a branch"
+    assert collector.data(EARLY_STOP_EVENT) == [], "an early-stop event was sent with early stop off"
+    per_call = parity_reasoner(engine, seed).invoke(QUESTION, early_stop=None)
+    assert per_call.early_stop is None and [b.text for b in per_call.branches] == [b.text for b in out.branches]
+
+
+def test_decided_stops_branches_that_cannot_change_the_winner_and_reports_what_it_saved(engine):
+    seed, _ = decided_early(engine)
+    collector = RKSCEventCollector()
+    out = parity_reasoner(engine, seed).invoke(QUESTION, config={"callbacks": [collector]})
+    full = parity_reasoner(engine, seed, early_stop=None).invoke(QUESTION)
+    report = out.early_stop
+    assert out.result.vote_summary.winner == full.result.vote_summary.winner, "decided changed the vote's winner"
+    assert report == out.result.early_stop.as_dict() and report["branches_launched"] == 8
+    cancelled = [i for i, b in enumerate(out.branches) if b.finish_reason == "cancelled"]
+    assert [s["branch_index"] for s in report["stopped_by"]] == cancelled
+    assert {s["rule"] for s in report["stopped_by"]} == {"decided"} and report["stopped_request_by"] == "decided"
+    assert all(not out.branches[i].voted and out.branches[i].answer is None for i in cancelled)
+    assert report["decode_tokens"] < full.cache.decode_tokens, "stopping branches saved no decode tokens"
+    assert [e.name for e in collector.events] == [EARLY_STOP_EVENT, VOTE_EVENT, CGEE_EVENT, CACHE_EVENT]
+    assert collector.data(EARLY_STOP_EVENT) == [{"question": QUESTION, **report}]
+    json.dumps(collector.data(EARLY_STOP_EVENT))
+
+
+def test_ainvoke_passes_early_stop_and_sends_the_early_stop_event(engine):
+    seed, expected = decided_early(engine)
+    collector = RKSCEventCollector()
+    out = asyncio.run(parity_reasoner(engine, seed).ainvoke(QUESTION, config={"callbacks": [collector]}))
+    assert out.early_stop == expected.early_stop, "areason stopped other branches than reason"
+    assert collector.data(EARLY_STOP_EVENT) == [{"question": QUESTION, **expected.early_stop}]
+    off = asyncio.run(parity_reasoner(engine, seed, early_stop=None).ainvoke(QUESTION))
+    assert off.early_stop is None and all(b.finish_reason != "cancelled" for b in off.branches)
+
+
+def test_an_early_stop_config_is_passed_as_is(engine):
+    # Any completed line settles a branch: each ends at its first newline, unless it ended before.
+    config = EarlyStopConfig(decided=False, answered=AnsweredConfig(pattern=r"."))
+    out = make_reasoner(engine, early_stop=config, max_tokens=48).invoke(QUESTION)
+    stopped = {s["branch_index"]: s["rule"] for s in out.early_stop["stopped_by"]}
+    assert stopped and set(stopped.values()) == {"answered"}, f"'answered' ended no branch: {out.early_stop}"
+    assert all(out.branches[i].finish_reason == "cancelled" and out.branches[i].text.endswith("\n") for i in stopped)
+    assert out.early_stop["stopped_request_by"] is None
+    assert all(b.voted for b in out.branches), "a branch ended by 'answered' still votes"
+
+
+@pytest.mark.parametrize("bad", ["sometimes", 3, {"decided": True}])
+def test_a_bad_early_stop_is_refused_naming_the_field_before_anything_runs(engine, bad):
+    with pytest.raises(ValidationError, match="early_stop"):
+        make_reasoner(engine, early_stop=bad)
+    reasoner = make_reasoner(engine)
+    reasoner.invoke(QUESTION)
+    before = cache_state(engine)
+    with pytest.raises((TypeError, ValueError), match="early_stop must be"):
+        reasoner.invoke(QUESTION, early_stop=bad)
+    assert cache_state(engine) == before, "a refused early_stop still ran something"
+
+
+def test_the_early_stop_event_is_one_of_the_reasoner_events():
+    assert EARLY_STOP_EVENT == "rksc_early_stop" and EARLY_STOP_EVENT in REASONER_EVENTS

@@ -1,4 +1,5 @@
-"""RKSCLLM on the tiny model: LlamaIndex endpoints, streaming, async, stops, events, tools, branches."""
+"""RKSCLLM on the tiny model: LlamaIndex endpoints, streaming, async, stops, events, tools, branches,
+and early stop under ``RKSCBranchQueryEngine``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import subprocess
 import sys
 import threading
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel
@@ -21,18 +22,22 @@ from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.instrumentation.events.llm import LLMCompletionEndEvent  # noqa: E402
 from llama_index.core.prompts import PromptTemplate  # noqa: E402
+from llama_index.core.query_engine import CustomQueryEngine  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
 from llama_index.core.types import PydanticProgramMode  # noqa: E402
 
 from rksc_engine import Completion, RKSCEngine, SamplingParams  # noqa: E402
 from rksc_engine.cgee import CGEEConfig  # noqa: E402
 from rksc_integrations.llama_index import (  # noqa: E402
+    RKSC_EVENT_TYPES,
     RKSCLLM,
     RKSCASKSReuseEvent,
+    RKSCBranchQueryEngine,
     RKSCBranchVoteEvent,
     RKSCCacheReuseEvent,
     RKSCCGEESkipEvent,
     RKSCEarlyExitEvent,
+    RKSCEarlyStopEvent,
     RKSCVerificationEvent,
     normalise_answer,
 )
@@ -522,3 +527,90 @@ def test_structured_predict_in_function_mode_goes_through_a_forced_tool_call(lon
 def test_the_engine_package_never_imports_llama_index():
     code = "import sys, rksc_engine; sys.exit(any(m.startswith('llama_index') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- early stop under RKSCBranchQueryEngine -------------------------------------------------------
+class AskLLM(CustomQueryEngine):
+    """The smallest query engine: the query string straight to the LLM."""
+
+    llm: Any
+
+    def custom_query(self, query_str: str) -> str:
+        return str(self.llm.complete(query_str))
+
+    async def acustom_query(self, query_str: str) -> str:
+        return str(await self.llm.acomplete(query_str))
+
+
+def first_char_parity(text: str) -> str | None:
+    """Two answers from the first character: a vote that is often decided before every branch ends."""
+    return None if not text else ("odd" if ord(text[0]) % 2 else "even")
+
+
+def parity_llm(engine, seed: int) -> RKSCLLM:
+    # Stop strings end the branches at different lengths, so some still run when the vote is decided.
+    return RKSCLLM(engine=engine, max_new_tokens=24, branches=8, temperature=0.5, seed=seed, stop=["a", "o"],
+                   answer_key=first_char_parity, verifier=None, cgee=CGEEConfig.off())
+
+
+def decided_early(engine) -> tuple[int, dict]:
+    """``(seed, final decision)`` of the first seeded query whose branches the default rule cut short."""
+    for seed in range(12):
+        final = RKSCBranchQueryEngine(AskLLM(llm=parity_llm(engine, seed))).query("pick").metadata["rksc"]["final"]
+        if final["early_stop"]["branches_cancelled"]:
+            return seed, final
+    pytest.fail("'decided' never stopped a branch on twelve seeded two-answer votes")
+
+
+def test_a_branch_query_engine_stops_branches_that_cannot_change_the_winner_and_reports_it(tiny_engine, recorder):
+    seed, _ = decided_early(tiny_engine)
+    recorder.events.clear()
+    response = RKSCBranchQueryEngine(AskLLM(llm=parity_llm(tiny_engine, seed))).query("pick")
+    final = response.metadata["rksc"]["final"]
+    everything = parity_llm(tiny_engine, seed).complete("pick").additional_kwargs["rksc_branches"]  # outside a query
+    report = final["early_stop"]
+    assert report["branches_launched"] == 8 and report["stopped_request_by"] == "decided"
+    assert [s["rule"] for s in report["stopped_by"]] == ["decided"] * report["branches_cancelled"]
+    assert final["answer"] == everything["answer"], "decided changed the vote's winner"
+    assert sum(final["votes"].values()) <= 8 - report["branches_cancelled"], "a stopped branch still voted"
+    assert everything["early_stop"] is None, "a call outside a branch query ran under early stop"
+    [event] = [e for e in recorder.events if isinstance(e, RKSCEarlyStopEvent)]
+    assert {name: getattr(event, name) for name in report} == report
+    vote_events = [i for i, e in enumerate(recorder.events) if isinstance(e, RKSCBranchVoteEvent)]
+    assert recorder.events.index(event) < vote_events[0], "the early-stop event should come before the vote"
+
+
+def test_early_stop_none_runs_every_branch_as_a_call_outside_a_query_would(tiny_engine, recorder):
+    seed, _ = decided_early(tiny_engine)
+    recorder.events.clear()
+    response = RKSCBranchQueryEngine(AskLLM(llm=parity_llm(tiny_engine, seed)), early_stop=None).query("pick")
+    final = response.metadata["rksc"]["final"]
+    everything = parity_llm(tiny_engine, seed).complete("pick").additional_kwargs["rksc_branches"]
+    assert final["early_stop"] is None
+    assert final == everything, "with early stop off the query's call should run and vote every branch"
+    assert not [e for e in recorder.events if isinstance(e, RKSCEarlyStopEvent)]
+
+
+def test_aquery_runs_its_calls_under_the_same_early_stop(tiny_engine, recorder):
+    seed, expected = decided_early(tiny_engine)
+    recorder.events.clear()
+    response = asyncio.run(RKSCBranchQueryEngine(AskLLM(llm=parity_llm(tiny_engine, seed))).aquery("pick"))
+    final = response.metadata["rksc"]["final"]
+    assert final["early_stop"] == expected["early_stop"], "aquery stopped other branches than query"
+    assert final["answer"] == expected["answer"]
+    assert [e.branches_cancelled for e in recorder.events if isinstance(e, RKSCEarlyStopEvent)] == \
+        [expected["early_stop"]["branches_cancelled"]]
+    off = asyncio.run(RKSCBranchQueryEngine(AskLLM(llm=parity_llm(tiny_engine, seed)), early_stop=None).aquery("pick"))
+    assert off.metadata["rksc"]["final"]["early_stop"] is None
+
+
+@pytest.mark.parametrize(("bad", "error"), [("sometimes", ValueError), (3, TypeError), ({"decided": True}, TypeError)])
+def test_a_bad_early_stop_is_refused_naming_the_field_before_anything_runs(tiny_engine, bad, error):
+    before = tiny_engine.stats().decode_tokens
+    with pytest.raises(error, match="early_stop must be"):
+        RKSCBranchQueryEngine(AskLLM(llm=parity_llm(tiny_engine, 0)), early_stop=bad)
+    assert tiny_engine.stats().decode_tokens == before
+
+
+def test_the_early_stop_event_is_one_of_the_rksc_event_types():
+    assert RKSCEarlyStopEvent in RKSC_EVENT_TYPES and RKSCEarlyStopEvent.class_name() == "RKSCEarlyStopEvent"

@@ -5,6 +5,8 @@ reason (a ``RemoteEngine``) answers 501."""
 
 from __future__ import annotations
 
+import json
+import socket
 from dataclasses import replace
 
 import pytest
@@ -13,13 +15,13 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("httpx")
 
-import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from rksc_engine import CGEEConfig, EngineConfig, RemoteEngine, RKSCEngine  # noqa: E402
 from rksc_engine.config import MAX_SEED  # noqa: E402
 from rksc_engine.datasets import Problem, few_shot_messages  # noqa: E402
+from rksc_engine.early_stop import ConfidenceConfig, EarlyStopConfig  # noqa: E402
 from rksc_engine.reasoning import DEFAULT_REASON_PARAMS  # noqa: E402
 from rksc_engine.tree_search import DEFAULT_SEARCH_PARAMS  # noqa: E402
 from rksc_serve.app import create_app  # noqa: E402
@@ -120,6 +122,45 @@ def test_a_tree_search_request_answers_what_engine_tree_search_answers(client, e
                                                                         abs=1e-5)
 
 
+# -- early stop ------------------------------------------------------------------------------------
+# The threshold is the best of two warm-up branches, so the other branches falling below it are stopped.
+STRICT_CONFIDENCE = {"window_tokens": 4, "warmup_branches": 2, "percentile": 100}
+EARLY_STOP_CASES = [
+    (None, None),
+    ("left out", "decided"),
+    ("answered", "answered"),
+    ("length", "length"),
+    ({"decided": False, "confidence": STRICT_CONFIDENCE},
+     EarlyStopConfig(decided=False, confidence=ConfidenceConfig(**STRICT_CONFIDENCE))),
+]
+
+
+@pytest.mark.parametrize(("served", "engine_early_stop"), EARLY_STOP_CASES,
+                         ids=["null", "left-out", "rule-name", "length", "object"])
+def test_early_stop_reaches_the_engine_and_the_answer_carries_its_report(client, engine, served, engine_early_stop):
+    params = replace(DEFAULT_REASON_PARAMS, temperature=1.0, max_new_tokens=48, seed=2)
+    expected = engine.reason(QUESTION, n=6, params=params, cgee=CGEEConfig.off(), early_stop=engine_early_stop)
+    fields = {} if served == "left out" else {"early_stop": served}
+    response = reason(client, n=6, temperature=1.0, max_tokens=48, seed=2, cgee={"skip_enabled": False}, **fields)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    branches = body["branches"]
+    assert [b["voted"] for b in branches] == [b.voted for b in expected.branches]
+    assert [b["finish_reason"] for b in branches] == [c.finish_reason for c in expected.completions]
+    if engine_early_stop is None:
+        assert body["early_stop"] is None, "early_stop null must run without a monitor"
+        assert all(b["voted"] and b["finish_reason"] != "cancelled" for b in branches)
+    else:
+        assert body["early_stop"] == expected.early_stop.as_dict()
+        assert body["early_stop"]["branches_launched"] == 6
+    if isinstance(served, dict):
+        stopped = body["early_stop"]["stopped_by"]
+        assert stopped and {s["rule"] for s in stopped} == {"confidence"}, f"'confidence' stopped no branch: {stopped}"
+        assert all(branches[s["branch_index"]]["finish_reason"] == "cancelled" for s in stopped)
+        assert not any(branches[s["branch_index"]]["voted"] for s in stopped), "a branch below the threshold voted"
+        assert body["early_stop"]["confidence_threshold"] is not None
+
+
 # -- bad requests ----------------------------------------------------------------------------------
 BAD_REASON = [
     ({"n": 0}, "n"),
@@ -136,6 +177,16 @@ BAD_REASON = [
     ({"cgee": {"min_layer": -1}}, "cgee.min_layer"),
     ({"cgee": {"skip_enabled": "yes"}}, "cgee.skip_enabled"),
     ({"cgee": {"tau": 0.5}}, "cgee.tau"),
+    ({"early_stop": "sometimes"}, "early_stop"),
+    ({"early_stop": 3}, "early_stop"),
+    ({"early_stop": {"decide": True}}, "early_stop.decide"),
+    ({"early_stop": {"decided": "yes"}}, "early_stop.decided"),
+    ({"early_stop": {"adaptive": {"wave_size": 0}}}, "early_stop.adaptive.wave_size"),
+    ({"early_stop": {"adaptive": {"wave_size": "2"}}}, "early_stop.adaptive.wave_size"),
+    ({"early_stop": {"adaptive": {"method": "vote"}}}, "early_stop.adaptive.method"),
+    ({"early_stop": {"answered": {"pattern": "("}}}, "early_stop.answered.pattern"),
+    ({"early_stop": {"confidence": {"percentile": 101}}}, "early_stop.confidence.percentile"),
+    ({"early_stop": {"length": {"factor": 1}}}, "early_stop.length.factor"),
     ({"max_tokens": 4097}, "max_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"seed": -1}, "seed"),
@@ -258,9 +309,12 @@ def test_a_client_that_gives_up_on_a_reason_request_cancels_its_branches(engine)
     full_run = 2 * min(4000, engine.context_window - num_prompt_tokens)  # greedy "ffff..." never stops early
     with serving(create_app(engine)) as url:
         before = engine.stats().decode_tokens
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/rksc/reason", timeout=0.5,
-                       json={"question": QUESTION, "n": 2, "max_tokens": 4000, "temperature": 0})
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps({"question": QUESTION, "n": 2, "max_tokens": 4000, "temperature": 0}).encode()
+        with socket.create_connection((host, int(port))) as sock:  # leaving the block is the client going away
+            sock.sendall(f"POST /v1/rksc/reason HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            assert wait_until(lambda: engine.stats().running_requests == 1), "the branches never started decoding"
         assert wait_until(lambda: engine.stats().running_requests == 0), "the abandoned branches kept running"
     decoded = engine.stats().decode_tokens - before
     assert decoded < full_run, f"the branches ran to the end ({decoded} tokens) instead of being cancelled"
