@@ -30,7 +30,7 @@ Three steps, each its own subcommand:
         --out benchmarks/results/es_gsm8k.jsonl
     ./dev python benchmarks/early_stop.py replay benchmarks/results/es_ladder.jsonl benchmarks/results/es_gsm8k.jsonl \
         --md docs/bench/early_stop_replay.md --plot docs/bench/early_stop.png
-    ./dev python benchmarks/early_stop.py live --workload ladder --per-level 4 --rule answered
+    ./dev python benchmarks/early_stop.py live --workload ladder --per-level 3 --rules "length q0.5 x2,length q0.25 x1.25"
 """
 
 from __future__ import annotations
@@ -442,9 +442,11 @@ def live(args: argparse.Namespace) -> dict:
     params = replace(PARAMS, max_new_tokens=args.max_new_tokens)
     rules = candidate_rules()
     arms = {"off": None, "decided": "decided"}
-    if args.rule:
-        arms[args.rule] = rules[args.rule]
-    totals = {arm: {"generate_s": 0.0, "verify_s": 0.0, "right": 0, "tokens": 0} for arm in arms}
+    for label in filter(None, (args.rules or "").split(",")):
+        if label not in rules:
+            raise SystemExit(f"--rules: unknown rule {label!r}; the replay table lists them")
+        arms[label] = rules[label]
+    totals = {arm: {"generate_s": 0.0, "verify_s": 0.0, "right": 0, "tokens": 0, "verified": 0} for arm in arms}
     changed = {arm: 0 for arm in arms}
     engine.reason(questions[0].question, n=2, params=replace(params, max_new_tokens=8), few_shot=shots)  # warm-up
     for i, q in enumerate(tqdm(questions, desc="questions")):
@@ -455,6 +457,7 @@ def live(args: argparse.Namespace) -> dict:
                                    few_shot=shots, early_stop=arms[arm])
             totals[arm]["generate_s"] += result.generate_s
             totals[arm]["verify_s"] += result.verification.verify_s
+            totals[arm]["verified"] += bool(result.verification.scores)
             totals[arm]["right"] += result.answer == q.answer
             totals[arm]["tokens"] += sum(len(c.token_ids) for c in result.completions)
             answers[arm] = result.answer
@@ -495,7 +498,7 @@ def main() -> None:
     rec.add_argument("--resume", action="store_true")
     rec.add_argument("--time-budget-min", type=float, default=None)
     lv = sub.choices["live"]
-    lv.add_argument("--rule", default=None, help="an approximate rule's label from the replay table")
+    lv.add_argument("--rules", default=None, help="comma-separated approximate rules' labels from the replay table")
     lv.add_argument("--json-out", default=None)
     rp = sub.add_parser("replay")
     rp.add_argument("records", nargs="+")

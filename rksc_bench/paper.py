@@ -53,7 +53,7 @@ from rksc_engine.datasets import (
     synthetic_problems,
 )
 from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
-from rksc_engine.reasoning import BranchAnswer, extract_choice_letter, verify_and_pick
+from rksc_engine.reasoning import BranchAnswer, branch_answers, extract_choice_letter, submit_branches, verify_and_pick
 from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
 
 ARMS = ("no_reuse", "cgee_only", "token_exact", "asks", "rksc", "langchain_hf")
@@ -351,9 +351,7 @@ class _EngineArm:
         """``n`` branches under the arm's early-stop rules, as ``engine.reason`` runs them; branches a
         rule took out of the vote stay, unvoted."""
         monitor = EarlyStopMonitor(self.early_stop, n=n, extract=self.extract, max_new_tokens=params.max_new_tokens)
-        got = self.engine.submit(messages, monitor.initial_branches, params, monitor=monitor, max_branches=n).result()
-        return [BranchAnswer(c.text, answer, c.confidence, votes)
-                for c, answer, votes in zip(got, monitor.answers(got), monitor.voting(got))]
+        return branch_answers(submit_branches(self.engine, messages, n, params, monitor).result(), self.extract, monitor)
 
 
 class _LangChainHFArm:
@@ -454,8 +452,10 @@ def build_arms(config: BenchConfig, model: Any, tokenizer: Any) -> tuple[list[An
         if engine_config is None:
             unavailable[name] = "this rksc build has no ASKS"
             continue
-        # The rksc arm runs reason's shipped default, early stop "decided" (exact: same answers).
-        early_stop = resolve_early_stop("decided") if name == "rksc" else None
+        # The rksc arm runs reason's shipped default, early stop "decided" (the vote's winner is the
+        # full vote's). Not with an ensemble: there the vote pools several prompts' branches, and a
+        # decision per prompt says nothing about the pooled winner.
+        early_stop = resolve_early_stop("decided") if name == "rksc" and config.ensemble == 1 else None
         arms.append(_EngineArm(name, RKSCEngine(model, tokenizer, engine_config), share_prefill=share, cgee=cgee,
                                extract=extract, early_stop=early_stop))
     return arms, unavailable

@@ -79,10 +79,11 @@ class EngineLock:
     """A re-entrant lock that knows its owner, so "does this thread hold the engine?" is answered
     without reaching into ``threading.RLock`` internals. Used as ``with lock:``."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_release: Callable[[], None] | None = None) -> None:
         self._lock = threading.RLock()
         self._owner: int | None = None
         self._depth = 0
+        self._on_release = on_release  # run by the outermost release, while the lock is still held
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not self._lock.acquire(blocking, timeout):
@@ -91,9 +92,14 @@ class EngineLock:
         self._depth += 1
         return True
 
-    def release(self) -> None:
+    def release(self, run_hook: bool = True) -> None:
         if self._owner != threading.get_ident():
             raise RuntimeError("the engine lock is released by a thread that does not hold it")
+        if run_hook and self._depth == 1 and self._on_release is not None:
+            try:
+                self._on_release()
+            except Exception:  # a convenience (the stats snapshot): never a reason to keep the lock
+                logger.exception("the engine lock's release hook failed")
         self._depth -= 1
         if self._depth == 0:
             self._owner = None
@@ -127,7 +133,9 @@ class RKSCEngine:
         self.config = config
         self._model = model.eval()
         self._tokenizer = tokenizer
-        self._lock = EngineLock()
+        # Whoever lets go of the engine last (a step, a verifier pass, an exclusive() block) publishes
+        # the stats snapshot that stats() returns while someone else holds it.
+        self._lock = EngineLock(on_release=self.publish_stats)
         self._stats = EngineStats()
         self._published_stats = EngineStats()
         first_param = next(model.parameters())
@@ -477,19 +485,21 @@ class RKSCEngine:
         """A snapshot of the engine's counters (prompt tokens computed/reused, decode tokens, cache).
 
         Never waits for the engine: while a scheduler step, a verifier pass or an ``exclusive()``
-        block of another thread holds it, this returns the snapshot published after the last step
-        (and before any request finished), so a server's ``/metrics`` never stalls behind the model.
+        block of another thread holds it, this returns the snapshot published when the engine was
+        last let go of (and before any request finished), so a server's ``/metrics`` never stalls
+        behind the model.
         """
         if not self._lock.acquire(blocking=False):
             return self._published_stats
         try:
             return self.publish_stats()
         finally:
-            self._lock.release()
+            self._lock.release(run_hook=False)  # just published
 
     def publish_stats(self) -> EngineStats:
-        """Take a fresh snapshot and make it the one ``stats()`` returns while the engine is busy
-        (the scheduler calls this after each step; the caller holds the engine)."""
+        """Take a fresh snapshot and make it the one ``stats()`` returns while the engine is busy.
+        Runs whenever the engine is let go of, and when the scheduler finishes a request (before its
+        caller wakes); the caller holds the engine."""
         self._published_stats = snapshot = self._take_stats()
         return snapshot
 

@@ -2,8 +2,10 @@
 verified (or the verification skipped by CGEE level 1), and one answer picked.
 
 Early stop: by default (``early_stop="decided"``) the branches still running are cancelled as soon as
-no outcome of theirs could change the vote's winner, which is exact: the answer is the one the full
-``n`` branches would have voted for. Approximate rules (``"answered"``, ``"adaptive"``,
+no outcome of theirs could change the vote's winner, which is exact for the vote: its winner is the
+one the full ``n`` branches would have voted for. The verifier, when CGEE lets it run, judges the
+early-stopped vote (its candidates and shares), so where verification overturns a vote the picked
+answer can differ from the full run's; with verification skipped or no judge it cannot. Approximate rules (``"answered"``, ``"adaptive"``,
 ``"confidence"``) trade a measured rate of changed answers for fewer decoded tokens
 (``rksc_engine.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
 
@@ -219,9 +221,26 @@ def launch_branches(engine: Any, plan: ReasoningPlan) -> tuple[Any, EarlyStopMon
         return engine.generate_branches(plan.messages, plan.n, plan.params), None
     monitor = EarlyStopMonitor(plan.early_stop, n=plan.n, extract=plan.extract,
                                max_new_tokens=plan.params.max_new_tokens)
-    handle = engine.submit(plan.messages, monitor.initial_branches, plan.params, monitor=monitor,
-                           max_branches=plan.n)
-    return handle, monitor
+    return submit_branches(engine, plan.messages, plan.n, plan.params, monitor), monitor
+
+
+def submit_branches(engine: Any, prompt: Any, n: int, params: SamplingParams,
+                    monitor: EarlyStopMonitor | None) -> Any:
+    """Submit ``n`` branches of ``prompt``, watched by ``monitor`` when there is one (it launches its
+    first wave and may add the rest); the ``RequestHandle``."""
+    if monitor is None:
+        return engine.submit(prompt, n, params)
+    return engine.submit(prompt, monitor.initial_branches, params, monitor=monitor, max_branches=n)
+
+
+def branch_answers(completions: Sequence[Any], extract: AnswerExtractor,
+                   monitor: EarlyStopMonitor | None = None) -> list[BranchAnswer]:
+    """Each completion as the vote sees it: its extracted answer, or, with the ``monitor`` it ran
+    under, the answer the monitor counted and whether its rules left it in the vote."""
+    if monitor is None:
+        return [BranchAnswer(c.text, extract(c.text), c.confidence) for c in completions]
+    return [BranchAnswer(c.text, answer, c.confidence, votes)
+            for c, answer, votes in zip(completions, monitor.answers(completions), monitor.voting(completions))]
 
 
 async def areason(engine: Any, question: str, **kwargs: Any) -> ReasoningResult:
@@ -301,12 +320,7 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
                      monitor: EarlyStopMonitor | None = None) -> ReasoningResult:
     """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``;
     with ``monitor``, only the branches its rules left in the vote are voted."""
-    if monitor is None:
-        branches = [BranchAnswer(c.text, plan.extract(c.text), c.confidence) for c in completions]
-    else:
-        voting = monitor.voting(completions)
-        branches = [BranchAnswer(c.text, answer, c.confidence, votes)
-                    for c, answer, votes in zip(completions, monitor.answers(completions), voting)]
+    branches = branch_answers(completions, plan.extract, monitor)
     answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
     _, votes = majority_vote([b.answer for b in branches])
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),

@@ -126,6 +126,7 @@ class _Request:
     fork: tuple[Any, torch.Tensor] | None = None  # (prompt KV to fork from, (1, V) logits after the prompt)
     live_members: int = 0  # on an owner: itself and its waves while they have rows
     pending_stop: set[int] = field(default_factory=set)  # on an owner: branches to end before the next forward
+    branches_stopped: bool = False  # on an owner: some branch was stopped (by its caller or its monitor)
 
     @property
     def shared(self) -> bool:
@@ -138,8 +139,9 @@ class _Request:
 
     @property
     def preemptible(self) -> bool:
-        # A request that forks waves cannot start over: its monitor has seen its branches' tokens.
-        return self.owner is None and self.max_branches <= self.n
+        # Starting over replays every branch from its first token: a monitor would count them twice,
+        # and a branch already stopped would run again. Such requests are never the ones preempted.
+        return self.owner is None and self.monitor is None and not self.branches_stopped
 
 
 class Scheduler:
@@ -310,11 +312,7 @@ class Scheduler:
             if not isinstance(error, Exception):
                 raise
         finally:
-            self._stepping = False
-            try:
-                self._engine.publish_stats()
-            except Exception:  # the counters are a convenience; a failure here must not fail a step
-                logger.exception("could not publish the engine's stats")
+            self._stepping = False  # the engine publishes its stats when the step lets go of it
 
     @torch.inference_mode()
     def _reap_cancelled(self) -> None:
@@ -329,13 +327,15 @@ class Scheduler:
         for request in [r for r in self._prefilling if r.channel.cancelled.is_set()]:
             self._prefilling.remove(request)
             self._fail(request, RequestCancelled(f"request {request.request_id} was cancelled"))
+        drained: set[int] = set()
         for request in list(self._running):
             head = request.head
             try:
                 if head.channel.cancelled.is_set():
                     self._fail(request, RequestCancelled(f"request {head.request_id} was cancelled"))
                     continue
-                if request.owner is None:
+                if id(head) not in drained:  # once per submitted request, whichever of its waves runs
+                    drained.add(id(head))
                     asked = head.channel.take_branch_cancellations()
                     if asked:
                         head.pending_stop |= asked & {b for r in self._running if r.head is head for b in r.active}
@@ -427,14 +427,9 @@ class Scheduler:
         requests hold memory that their finishing will free. Returns whether it did."""
         if not _is_oom(error) or not (self._running or self._prefilling):
             return False
-        self._release(request)
+        self._preempt(request)
         request.prefill_done = 0
-        request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
         self._rows_cap = self.num_running_rows
-        self.num_preemptions += 1
-        self._engine.count("preemptions")
-        with self._cv:
-            self._waiting.appendleft(request)
         return True
 
     @torch.inference_mode()
@@ -445,7 +440,9 @@ class Scheduler:
         request.exact, request.asks = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
         forks = request.max_branches > request.n
-        template = copy.deepcopy(prefilled.cache) if forks and not request.shared_prefix else None
+        # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt cache.
+        plain = not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
+        template = copy.deepcopy(prefilled.cache) if forks and plain else None
         request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
                                            request=request if prefilled.exact else None)
         if forks:
@@ -453,7 +450,7 @@ class Scheduler:
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
             prompt_kv = ([list(layer.segments) for layer in request.cache.layers] if request.shared
                          else template)
-            request.fork = (prompt_kv, prefilled.last_logits)
+            request.fork = (prompt_kv, prefilled.last_logits.clone())  # a logits processor may edit its input
         request.branches = [_Branch(i) for i in range(request.n)]
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.delivered.get(branch.index, (0, 0))
@@ -542,8 +539,9 @@ class Scheduler:
         over when admitted again and, with the same prompt and seeds, generates the same tokens, of
         which its streams deliver only those they have not delivered yet."""
         self._release(request)
-        request.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
-                             for b in request.branches}
+        if request.branches:  # not when its prompt was still being prefilled: nothing new was delivered
+            request.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
+                                 for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
         self.num_preemptions += 1
         self._engine.count("preemptions")
@@ -692,6 +690,7 @@ class Scheduler:
             branch = request.branches[b]
             if branch.finish_reason is None and b in head.pending_stop:
                 branch.finish_reason = "cancelled"
+                head.branches_stopped = True
                 self._engine.count("branches_cancelled")
                 if request.stream:
                     self._emit(request, branch)

@@ -36,7 +36,7 @@ from rksc_engine.answers import majority_vote
 from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import SamplingParams
 from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
-from rksc_engine.reasoning import BranchAnswer, verify_and_pick
+from rksc_engine.reasoning import branch_answers, verify_and_pick
 from rksc_engine.types import Completion
 from rksc_engine.verifier import LLMJudgeVerifier, Verifier, as_verifier
 
@@ -154,13 +154,6 @@ def branch_monitor(collector: BranchCollector | None, n: int, answer_key: Answer
     return EarlyStopMonitor(collector.early_stop, n=n, extract=answer_key, max_new_tokens=params.max_new_tokens)
 
 
-def submit_branches(engine: Any, prompt: Any, n: int, params: SamplingParams, monitor: EarlyStopMonitor | None) -> Any:
-    """Submit ``n`` branches of ``prompt``, watched by ``monitor`` when there is one; the handle."""
-    if monitor is None:
-        return engine.submit(prompt, n, params)
-    return engine.submit(prompt, monitor.initial_branches, params, monitor=monitor, max_branches=n)
-
-
 def decide(
     completions: Sequence[Completion], answer_key: AnswerKey, cgee: CGEEConfig,
     *, question: str = "", verifier: Verifier | None = None, monitor: EarlyStopMonitor | None = None,
@@ -172,12 +165,9 @@ def decide(
     Raises:
         Whatever the verifier raises; the engine stays usable (the judge cleans up after itself).
     """
-    if monitor is None:
-        keys, voted = [answer_key(c.text) for c in completions], [True] * len(completions)
-    else:
-        keys, voted = monitor.answers(completions), monitor.voting(completions)
+    branches = branch_answers(completions, answer_key, monitor)
+    keys = [b.answer for b in branches]
     _, votes = majority_vote(keys)
-    branches = [BranchAnswer(c.text, k, c.confidence, v) for c, k, v in zip(completions, keys, voted)]
     answer, report, _ = verify_and_pick(question, branches, verifier, cgee)
     chosen = 0
     if answer is not None:

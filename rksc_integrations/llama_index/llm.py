@@ -64,6 +64,7 @@ from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import ASKSConfig, EngineConfig
 from rksc_engine.constrained import ConstrainedResult, value_params
 from rksc_engine.early_stop import EarlyStopMonitor
+from rksc_engine.reasoning import submit_branches
 from rksc_engine.tools import ToolCall, ToolRequest
 
 from .._async import iterate_in_thread, run_in_thread
@@ -78,7 +79,6 @@ from .branches import (
     decide,
     make_verifier,
     normalise_answer,
-    submit_branches,
 )
 from .events import (
     RKSCASKSReuseEvent,

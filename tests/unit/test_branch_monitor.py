@@ -3,6 +3,8 @@ branches (``finish_reason="cancelled"``, rows and KV freed before the next forwa
 branches forked off the prompt, which continue the indices and so the seeds: branch ``i`` is
 token-identical whether it ran in the first wave or a later one, on either decode path."""
 
+import threading
+
 import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
@@ -124,3 +126,75 @@ def test_submit_checks_monitor_and_max_branches_before_queuing():
     with pytest.raises(TypeError, match="max_branches"):
         engine.submit("x", 2, PARAMS, monitor=Waves(2, 1, 2), max_branches=2.5)
     assert engine.stats().requests == 0
+
+
+class ForkThenPause:
+    """Adds two branches at the first step and stops branch 0 (so only the wave runs on); at the
+    wave's third token it waits until the test has asked for a cancellation."""
+
+    def __init__(self):
+        self.steps = 0
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def observe(self, events):
+        self.steps += 1
+        if self.steps == 1:
+            return BranchControl(stop=frozenset({0}), add=2)
+        if any(e.branch_index == 1 and e.num_tokens == 3 for e in events):
+            self.paused.set()
+            assert self.resume.wait(60)
+        return None
+
+
+def test_cancel_branches_reaches_a_wave_after_the_first_wave_has_ended():
+    engine = engine_for()
+    params = SamplingParams(temperature=0.9, max_new_tokens=40, seed=8)
+    full = engine.generate_branches("waves", 3, params)
+    engine.clear_cache()
+    monitor = ForkThenPause()
+    handle = engine.submit("waves", 1, params, monitor=monitor, max_branches=3)
+    assert monitor.paused.wait(60)
+    handle.cancel_branches([1])
+    monitor.resume.set()
+    got = handle.result(timeout=120)
+    assert got[0].finish_reason == "cancelled" and got[2].token_ids == full[2].token_ids
+    if full[1].num_generated_tokens > 4:
+        assert got[1].finish_reason == "cancelled", "the caller's cancellation never reached the wave"
+        assert len(got[1].token_ids) < full[1].num_generated_tokens
+
+
+class Counting:
+    def __init__(self):
+        self.tokens: dict[int, int] = {}
+
+    def observe(self, events):
+        for e in events:
+            self.tokens[e.branch_index] = self.tokens.get(e.branch_index, 0) + 1
+        return None
+
+
+def test_out_of_memory_never_preempts_a_request_whose_monitor_has_seen_its_tokens(monkeypatch):
+    from rksc_engine.memory import ForwardOutOfMemoryError
+
+    engine = engine_for()
+    params = SamplingParams(temperature=0.9, max_new_tokens=16, seed=2)
+    want = [c.token_ids for c in engine.generate_branches("watched", 2, params)]
+    engine.clear_cache()
+    real_forward = engine._forward
+    decodes = {"n": 0}
+
+    def oom_once(input_ids, cache, **kwargs):
+        if input_ids.shape[1] == 1 and "logits_to_keep" not in kwargs and engine.stats().running_requests >= 2:
+            decodes["n"] += 1
+            if decodes["n"] == 2:
+                raise ForwardOutOfMemoryError("injected")
+        return real_forward(input_ids, cache, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", oom_once)
+    plain = engine.submit("plain", 1, SamplingParams(max_new_tokens=16))
+    monitor = Counting()
+    watched = engine.submit("watched", 2, params, monitor=monitor)  # the newest: still not the victim
+    got = watched.result(timeout=120)
+    plain.result(timeout=120)
+    assert [c.token_ids for c in got] == want
+    assert monitor.tokens == {c.branch_index: len(c.token_ids) for c in got}, "the monitor saw tokens twice"
