@@ -420,10 +420,13 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(report["by_n"]), figsize=(6 * len(report["by_n"]), 4.5), squeeze=False)
+    families = sorted({label.split(" ")[0] for block in report["by_n"].values() for label in block["all"]})
+    colours = {family: plt.cm.tab20(i % 20) for i, family in enumerate(families)}
     for ax, (n, block) in zip(axes[0], report["by_n"].items()):
         for label, s in block["all"].items():
             family = label.split(" ")[0]
-            ax.scatter(s["modelled_speedup"], s["lost"] / max(s["right_full"], 1), s=18,
+            ax.scatter(s["modelled_speedup"], s["lost"] / max(s["right_full"], 1), s=22, color=colours[family],
+                       marker="*" if family in ("off", "decided") else "o",
                        label=family if family not in ax.get_legend_handles_labels()[1] else None)
         ax.axvline(1.66, ls="--", c="grey")
         ax.set_xlabel("modelled generation speed-up over full n")
@@ -509,11 +512,12 @@ def main() -> None:
     rp.add_argument("--json-out", default=None)
     rp.add_argument("--md", default=None)
     rp.add_argument("--plot", default=None)
+    rp.add_argument("--from-json", default=None, help="re-render --md/--plot from a saved --json-out; replay nothing")
     args = parser.parse_args()
     if args.command == "record":
         record(args)
     elif args.command == "replay":
-        report = replay_report(args)
+        report = json.loads(Path(args.from_json).read_text()) if args.from_json else replay_report(args)
         text = markdown(report)
         print(text)
         if args.md:
