@@ -53,9 +53,10 @@ import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import wilson_interval
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.reasoning.answers import extract_gsm8k_answer
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks.json"
 GREEDY_WINDOW = 32

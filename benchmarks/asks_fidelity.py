@@ -47,8 +47,9 @@ from tqdm.auto import tqdm
 # benchmarks/asks.py: Python puts a script's own folder on sys.path.
 from asks import WORDINGS, answer_of, answer_settled, shots_for
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
-from rksc_engine.cgee import wilson_interval
-from rksc_engine.datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.reasoning.few_shot import few_shot_messages
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks_fidelity.json"
 WORKLOAD = "prompt-ensemble SC"

@@ -32,7 +32,7 @@ unlike them), or ``--data`` rows leveled by their solution's steps. Each batch o
 questions has its branches submitted together (the scheduler decodes them as one batch); then each
 vote is verified at full depth on its own and timed. Per question the record keeps the vote
 (``p``, ``lead``, shares), always-verify's answer and seconds, and the gold answer, which is all
-``cgee.calibrate_split`` needs: it picks ``tau_conf``/``margin`` on a seeded half (no accuracy
+``calibration.calibrate_split`` needs: it picks ``tau_conf``/``margin`` on a seeded half (no accuracy
 lost against always verifying by ``--rule``, the most verifier time saved) and the tables report
 them per level on the other half, beside the library default on every question.
 
@@ -55,25 +55,16 @@ import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import (
+from rksc_engine.evaluation.calibration import (
     CalibrationRecord,
-    CGEEConfig,
     OutcomeSummary,
     QuestionOutcome,
     calibrate,
     calibrate_split,
-    lens_entropy,
-    lens_exit_layer,
-    pick_answer,
-    should_skip,
     summarise_outcomes,
     wilson_interval,
 )
-from rksc_engine.datasets import (
-    CHOICE_SYSTEM_PROMPT,
-    SYSTEM_PROMPT,
-    Problem,
-    few_shot_messages,
+from rksc_engine.evaluation.workloads import (
     ladder_problems,
     ladder_shots,
     load_problems_jsonl,
@@ -81,8 +72,16 @@ from rksc_engine.datasets import (
     synthetic_choice_problems,
     synthetic_problems,
 )
-from rksc_engine.reasoning import EXTRACTORS, BranchAnswer, finish_reasoning, plan_reasoning, verify_and_pick
-from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, LLMJudgeVerifier
+from rksc_engine.reasoning.cgee import CGEEConfig, lens_entropy, lens_exit_layer, pick_answer, should_skip
+from rksc_engine.reasoning.few_shot import CHOICE_SYSTEM_PROMPT, SYSTEM_PROMPT, Problem, few_shot_messages
+from rksc_engine.reasoning.self_consistency import (
+    EXTRACTORS,
+    BranchAnswer,
+    finish_reasoning,
+    plan_reasoning,
+    verify_and_pick,
+)
+from rksc_engine.reasoning.verifier import JUDGE_SYSTEM_PROMPT, LLMJudgeVerifier
 
 ARMS = {
     "full": CGEEConfig.off(),
@@ -631,7 +630,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="ladder: questions whose branches are submitted together")
     parser.add_argument("--seed", type=int, default=0, help="ladder: seed of the generated questions and of the split")
     parser.add_argument("--rule", choices=("wilson", "observed"), default="wilson",
-                        help="ladder: accuracy rule the thresholds are held to (see cgee.OutcomeSummary.keeps_accuracy)")
+                        help="ladder: accuracy rule the thresholds are held to (see calibration.OutcomeSummary.keeps_accuracy)")
     parser.add_argument("--candidate", default=None, help="ladder: also tabulate 'TAU,MARGIN' on every question")
     parser.add_argument("--record-lens", action="store_true",
                         help="ladder: also record the logit lens of every verifier pass (for level-2 analysis)")

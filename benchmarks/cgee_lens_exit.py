@@ -39,16 +39,8 @@ from pathlib import Path
 
 import torch
 
-from rksc_engine.cgee import (
-    CGEEConfig,
-    QuestionOutcome,
-    VoteSummary,
-    lens_entropy,
-    lens_exit_layer,
-    pick_answer,
-    split_outcomes,
-    wilson_interval,
-)
+from rksc_engine.evaluation.calibration import QuestionOutcome, split_outcomes, wilson_interval
+from rksc_engine.reasoning.cgee import CGEEConfig, VoteSummary, lens_entropy, lens_exit_layer, pick_answer
 
 RULE_KINDS = ("pick", "ranking", "margin", "entropy")
 

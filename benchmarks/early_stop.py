@@ -50,19 +50,18 @@ import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import summarise_votes, wilson_interval
-from rksc_engine.datasets import (
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.evaluation.workloads import (
     LADDER_LEVELS,
-    Problem,
-    few_shot_messages,
     ladder_problems,
     ladder_shots,
     load_gsm8k_jsonl,
     solution_steps,
     synthetic_problems,
 )
-from rksc_engine.early_stop import (
+from rksc_engine.reasoning.answers import extract_gsm8k_answer
+from rksc_engine.reasoning.cgee import summarise_votes
+from rksc_engine.reasoning.early_stop import (
     AdaptiveConfig,
     AnsweredConfig,
     ConfidenceConfig,
@@ -70,8 +69,9 @@ from rksc_engine.early_stop import (
     EarlyStopMonitor,
     LengthConfig,
 )
-from rksc_engine.scheduler import first_stop
-from rksc_engine.types import BranchEvent, Completion
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
+from rksc_engine.results import BranchEvent, Completion
+from rksc_engine.runtime.scheduler import first_stop
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
 # A batched decode step on this CPU costs about STEP_S plus ROW_S per live row (the default model,
@@ -119,6 +119,8 @@ def record(args: argparse.Namespace) -> None:
         done = {r["index"] for r in read_records(out)}
     elif out.exists():
         out.unlink()
+    for other in args.skip_recorded:  # the same questions recorded elsewhere (another device) stay one sample
+        done |= {r["index"] for r in read_records(Path(other)) if r["workload"] == args.workload}
     todo = [(i, q) for i, q in enumerate(questions) if i not in done]
     print(f"{engine.model_name} on {engine.device}: {len(todo)} questions to record ({len(done)} already)")
     started = time.perf_counter()
@@ -321,16 +323,18 @@ def summarise(records: list[dict], runs: list[Replayed], full: list[Replayed], k
 def split(records: list[dict], seed: int) -> tuple[list[int], list[int]]:
     """A seeded half of the questions to calibrate on and the other half to report on, stratified by
     workload and level so both halves hold every level."""
-    strata: dict[tuple, list[int]] = defaultdict(list)
+    # One question recorded on two devices is two samples of the same question: both land on one side.
+    strata: dict[tuple, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for i, rec in enumerate(records):
-        strata[(rec["workload"], rec["level"])].append(i)
+        strata[(rec["workload"], rec["level"])][rec["index"]].append(i)
     rng = random.Random(seed)
     calibrate, held_out = [], []
     for key in sorted(strata):
-        members = strata[key][:]
-        rng.shuffle(members)
-        calibrate += members[: len(members) // 2]
-        held_out += members[len(members) // 2:]
+        questions = sorted(strata[key])
+        rng.shuffle(questions)
+        half = len(questions) // 2
+        calibrate += [i for q in questions[:half] for i in strata[key][q]]
+        held_out += [i for q in questions[half:] for i in strata[key][q]]
     return sorted(calibrate), sorted(held_out)
 
 
@@ -356,14 +360,15 @@ def replay_report(args: argparse.Namespace) -> dict:
     records = [r for r in records if len(r["branches"]) >= max(ns)]
     from transformers import AutoTokenizer
 
-    from rksc_engine.loading import ensure_default_model
+    from rksc_engine.runtime.loading import ensure_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(args.model or ensure_default_model())
     rules = candidate_rules()
     results = replay_all(records, rules, ns, tokenizer)
     calibrate, held_out = split(records, args.seed)
     everyone = list(range(len(records)))
-    report: dict = {"questions": len(records), "ns": ns, "split": [len(calibrate), len(held_out)], "by_n": {}}
+    distinct = len({(r["workload"], r["index"]) for r in records})
+    report: dict = {"questions": len(records), "distinct_questions": distinct, "ns": ns, "split": [len(calibrate), len(held_out)], "by_n": {}}
     for n in ns:
         full = results[("off", n)]
         chosen = choose(records, results, rules, n, calibrate, args.max_lost)
@@ -387,7 +392,9 @@ def fmt_ci(ci: tuple[float, float]) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"{report['questions']} questions; calibration/held-out split {report['split'][0]}/{report['split'][1]}.", ""]
+    lines = [f"{report['questions']} recordings of {report.get('distinct_questions', report['questions'])} distinct questions "
+             "(a question recorded on two devices is two independent samples, kept on one side of the split); "
+             f"calibration/held-out split {report['split'][0]}/{report['split'][1]} recordings.", ""]
     head = ("| rule | tokens (x fewer) | request steps (x fewer) | modelled time (x faster) | changed answers | "
             "accuracy (full n) | right answers lost | branches launched / cancelled |")
     sep = "|" + "---|" * 8
@@ -500,6 +507,8 @@ def main() -> None:
     rec.add_argument("--out", required=True)
     rec.add_argument("--resume", action="store_true")
     rec.add_argument("--time-budget-min", type=float, default=None)
+    rec.add_argument("--skip-recorded", action="append", default=[], metavar="RECORDS",
+                     help="skip the questions already recorded in this file (repeatable)")
     lv = sub.choices["live"]
     lv.add_argument("--rules", default=None, help="comma-separated approximate rules' labels from the replay table")
     lv.add_argument("--json-out", default=None)

@@ -43,8 +43,9 @@ import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import RKSCEngine
-from rksc_engine.answers import extract_gsm8k_answer, majority_vote
-from rksc_engine.datasets import Problem, few_shot_messages, synthetic_problems
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.answers import extract_gsm8k_answer, majority_vote
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "langchain_vs_hf.json"
 TEMPERATURE, TOP_P = 0.7, 0.95

@@ -47,9 +47,14 @@ from tqdm.auto import tqdm
 # benchmarks/branches.py: Python puts a script's own folder on sys.path.
 from branches import build_prompt_ids, load_problems, run_hf_batched, run_rksc
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.loading import cpu_supports_bf16
-from rksc_engine.sampling import choose_next_tokens, make_generators
-from rksc_engine.shared_prefix import ATTENTION_NAME, BatchDecodeCache, SharedPrefixCache, attention_implementation
+from rksc_engine.kvcache.shared_prefix import (
+    ATTENTION_NAME,
+    BatchDecodeCache,
+    SharedPrefixCache,
+    attention_implementation,
+)
+from rksc_engine.runtime.loading import cpu_supports_bf16
+from rksc_engine.runtime.sampling import choose_next_tokens, make_generators
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "limits.json"
 TEMPERATURE, TOP_P = 0.7, 0.95
@@ -170,9 +175,9 @@ def kernel_floor_seconds(model, n: int, num_prompt_tokens: int, repeats: int) ->
 
 
 def fused_attention(query, keys, values, scale):
-    from rksc_engine.shared_prefix import _fused_cpu_attention, _partial_attention
+    from rksc_engine.kvcache.shared_prefix import fused_cpu_attention, partial_attention
 
-    return _fused_cpu_attention(query, keys, values, scale) or _partial_attention(query, keys, values, scale)
+    return fused_cpu_attention(query, keys, values, scale) or partial_attention(query, keys, values, scale)
 
 
 # -- decode steps ----------------------------------------------------------------------------------

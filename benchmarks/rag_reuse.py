@@ -39,9 +39,9 @@ import torch
 from tqdm.auto import tqdm
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.cgee import wilson_interval
-from rksc_engine.config import PrefixCacheConfig
-from rksc_engine.rag_workload import fact_corpus, load_rag_jsonl, rag_messages, rag_queries
+from rksc_engine.config import RSBCMConfig
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.evaluation.rag_facts import fact_corpus, load_rag_jsonl, rag_messages, rag_queries
 
 
 @dataclass
@@ -67,7 +67,7 @@ def build_arms(base: RKSCEngine, fractions: list[float], gates: list[float], gat
     common = dict(decode_attention="dynamic_cache")
     arms = {
         "recompute": RKSCEngine(base.model, base.tokenizer,
-                                EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False), **common)),
+                                EngineConfig(rsbcm=RSBCMConfig(enabled=False), **common)),
         "token-exact": RKSCEngine(base.model, base.tokenizer, EngineConfig(**common)),
     }
     settings = [(f, math.inf) for f in fractions] + [(gate_fraction, g) for g in gates if not math.isinf(g)]

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
-from rksc_engine.rag_workload import fact_corpus, rag_messages, rag_queries
+from rksc_engine.evaluation.rag_facts import fact_corpus, rag_messages, rag_queries
 
 
 def prefilled(engine: RKSCEngine, messages: list[dict]) -> tuple[torch.Tensor, torch.Tensor, tuple]:

@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SearchResult
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.datasets import Problem, few_shot_messages, load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "rsbcm.json"
 UNBOUNDED = "unbounded"

@@ -42,7 +42,7 @@ import httpx
 from tqdm import tqdm
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.loading import ensure_default_model, resolve_device, resolve_dtype
+from rksc_engine.runtime.loading import ensure_default_model, resolve_device, resolve_dtype
 
 STARTUP_TIMEOUT_S = 300.0
 QUICK = {"clients": 2, "requests": 2, "max_tokens": 8}

@@ -29,7 +29,7 @@ import ray
 
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.config import EngineConfig, RSBCMConfig
-from rksc_engine.loading import ensure_default_model
+from rksc_engine.runtime.loading import ensure_default_model
 from rksc_serve.cluster import ROUTINGS, ReplicaSpec, compare_routing, markdown_table, routing_workload
 
 

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.datasets import Problem, few_shot_messages, synthetic_problems
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 ARMS = ("callers", "reasoner", "tree", "kv")

@@ -1,7 +1,7 @@
 """Forced tool calls on the default model: token-masked values vs scaffold-and-coerce only.
 
 Both arms write the same JSON scaffold and coerce every value to its schema type
-(``rksc_engine.tools.decode_tool_call``); the masked arm also restricts each value's tokens to those
+(``rksc_engine.structured.tools.decode_tool_call``); the masked arm also restricts each value's tokens to those
 that can continue a value of its type. Two tasks, each question asked to both arms in alternating
 order on the same engine:
 
@@ -25,7 +25,7 @@ import time
 from tqdm import tqdm
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine import tools as T
+from rksc_engine.structured import tools as T
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
 OBJECTS = ["door", "car", "kite", "cup", "hat", "boat", "fence", "chair"]

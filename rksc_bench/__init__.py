@@ -5,6 +5,8 @@ configurations (the arms) and, for the "what you run today" arm, ``langchain-hug
 same weights. ``rksc_engine`` itself never imports it.
 """
 
-from .paper import ARMS, ArmRecord, BenchConfig, BenchReport, render_markdown, run_bench
+from rksc_bench.config import ARMS, BenchConfig
+from rksc_bench.paper import run_bench
+from rksc_bench.report import ArmRecord, BenchReport, render_markdown
 
 __all__ = ["ARMS", "ArmRecord", "BenchConfig", "BenchReport", "render_markdown", "run_bench"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .paper import ARMS, WORKLOADS, BenchConfig, render_markdown, run_bench, save_report
+from rksc_bench.config import ARMS, WORKLOADS, BenchConfig
+from rksc_bench.paper import run_bench, save_report
+from rksc_bench.report import render_markdown
 
 BENCH_HELP = "measure rksc against no reuse, token-exact caching and langchain-huggingface"
 

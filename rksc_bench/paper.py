@@ -17,6 +17,9 @@ Arms run interleaved, question by question in a rotating order, so machine drift
 ratios. With ``ensemble > 1`` branches are split over that many differently worded instructions
 (prompt-ensemble self-consistency), the case where token-exact caching cannot share a prompt across
 branches and ASKS can.
+
+What a run is asked (``BenchConfig``) lives in ``rksc_bench.config`` and what it measured
+(``BenchReport``) in ``rksc_bench.report``; this module runs the arms and fills the report.
 """
 
 from __future__ import annotations
@@ -25,25 +28,18 @@ import dataclasses
 import json
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from rksc_bench.config import INSTRUCTION_WORDINGS, BenchConfig
+from rksc_bench.report import ArmRecord, BenchReport, render_markdown
 from rksc_engine import RKSCEngine
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import CGEEConfig
-from rksc_engine.config import EngineConfig, PrefixCacheConfig, SamplingParams, _check_type
-from rksc_engine.datasets import (
-    CHOICE_SYSTEM_PROMPT,
-    LADDER_LEVELS,
-    SYSTEM_PROMPT,
+from rksc_engine.config import EngineConfig, RSBCMConfig, SamplingParams
+from rksc_engine.evaluation.workloads import (
     LadderProblem,
-    Problem,
-    few_shot_messages,
     ladder_problems,
     ladder_shots,
     load_choice_jsonl,
@@ -52,236 +48,26 @@ from rksc_engine.datasets import (
     synthetic_choice_problems,
     synthetic_problems,
 )
-from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
-from rksc_engine.reasoning import BranchAnswer, branch_answers, extract_choice_letter, submit_branches, verify_and_pick
-from rksc_engine.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
+from rksc_engine.reasoning.answers import extract_gsm8k_answer
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
+from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
+from rksc_engine.reasoning.self_consistency import (
+    BranchAnswer,
+    branch_answers,
+    extract_choice_letter,
+    submit_branches,
+    verify_and_pick,
+)
+from rksc_engine.reasoning.verifier import JUDGE_SYSTEM_PROMPT, JUDGE_TEMPLATE, CallableVerifier, LLMJudgeVerifier
 
-ARMS = ("no_reuse", "cgee_only", "token_exact", "asks", "rksc", "langchain_hf")
-WORKLOADS = ("gsm8k", "choice", "ladder")
-# The answer format of each workload: it picks the instruction wordings, the judge prompt and the
-# answer extractor. The ladder's questions are GSM8K-style word problems with ``#### n`` answers,
-# so it is asked, extracted and judged exactly as the gsm8k workload is.
-ANSWER_FORMATS = {"gsm8k": "gsm8k", "choice": "choice", "ladder": "gsm8k"}
-
-# Differently worded instructions for prompt-ensemble self-consistency, per answer format; the
-# first is the engine's default system prompt, the others say the same thing another way.
-INSTRUCTION_WORDINGS = {
-    "gsm8k": (
-        SYSTEM_PROMPT,
-        "Work through the question carefully and finish with a line of the form '#### <number>'.",
-        "Think it over one step at a time. End your reply with '#### ' followed by the number.",
-        "Reason about the problem in short steps and write the result last, as '#### <number>'.",
-        "Explain your working briefly, then state the numeric answer after '#### '.",
-        "Break the problem into steps, solve each, and close with '#### <number>'.",
-        "Carefully compute the answer, showing each step, and put '#### <number>' at the end.",
-        "Solve it. Show your reasoning, then write '#### ' and the final number.",
-    ),
-    "choice": (
-        CHOICE_SYSTEM_PROMPT,
-        "Pick the correct option. Think briefly, then finish with 'The answer is <letter>.'",
-        "Read the choices, reason in a sentence or two, and end with 'The answer is <letter>.'",
-        "Choose one letter. Explain shortly, then write 'The answer is <letter>.'",
-        "Answer the multiple-choice question: brief reasoning, then 'The answer is <letter>.'",
-        "Decide which option is right, say why in short, and close with 'The answer is <letter>.'",
-        "Consider each option briefly and end your reply with 'The answer is <letter>.'",
-        "Solve it and give the letter of the right option last, as 'The answer is <letter>.'",
-    ),
-}
 JUDGE_PROMPTS = {
     "gsm8k": JUDGE_SYSTEM_PROMPT,
     "choice": "You check answers to multiple-choice questions. Reply with Yes or No only.",
 }
-MAX_ENSEMBLE = min(len(w) for w in INSTRUCTION_WORDINGS.values())
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One ``rksc bench`` run.
-
-    Attributes:
-        workload: ``"gsm8k"`` (8-shot chain of thought, ``#### x`` answers), ``"choice"``
-            (multiple-choice few-shot, letter answers) or ``"ladder"`` (the difficulty ladder:
-            generated word problems of exactly 1 to 4 steps, ``#### x`` answers, one-step worked
-            examples worded unlike the questions, so the model must transfer the method rather
-            than copy a wording). Default ``"gsm8k"``.
-        data: JSONL of questions (GSM8K ``question``/``answer``; multiple-choice
-            ``question``/``choices``/``answerKey``). None uses the built-in synthetic generator.
-            The ladder is always generated (its levels are what it measures), so it takes no data:
-            run a GSM8K JSONL as ``workload="gsm8k"``.
-        questions: Questions answered per arm (>= 1). Default 8. On the ladder they are spread
-            evenly over ``levels`` (interleaved level by level, so any count is as balanced as it
-            can be).
-        levels: The ladder's levels (distinct ints from 1 to 4) to draw questions from. Default
-            all four; only the ladder workload takes other values.
-        branches: Sampled branches per question (>= 1). Default 8.
-        shots: Worked examples in the prompt (>= 0). Default 8, about 1,300 tokens on the default model.
-        ensemble: Instruction wordings the branches are split over (1..8, must divide ``branches``);
-            1 is plain self-consistency. Default 1.
-        max_new_tokens: Per branch (>= 1). Default 128.
-        temperature / top_p: Branch sampling. Default 0.7 / 0.95.
-        seed: Base seed. Default 0.
-        arms: Which arms to run, a subset of ``ARMS``. Default all.
-        model: A local model directory, or None for the embedded default.
-        tree_depth: Depth of one RSBCM tree search (breadth 3, beam 2) on the first question whose
-            cache bytes are plotted; 0 skips it. Default 4.
-        tree_budget_mb: The cache budget of that search, in MiB (> 0). Default 64.
-    """
-
-    workload: str = "gsm8k"
-    data: str | None = None
-    questions: int = 8
-    branches: int = 8
-    shots: int = 8
-    ensemble: int = 1
-    max_new_tokens: int = 128
-    temperature: float = 0.7
-    top_p: float = 0.95
-    seed: int = 0
-    arms: tuple[str, ...] = ARMS
-    model: str | None = None
-    tree_depth: int = 4
-    tree_budget_mb: float = 64.0
-    levels: tuple[int, ...] = LADDER_LEVELS
-
-    def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
-        _check_type("levels", self.levels, (tuple, list))
-        levels = tuple(self.levels)
-        if (not levels or not all(isinstance(x, int) and not isinstance(x, bool) and x in LADDER_LEVELS for x in levels)
-                or len(set(levels)) != len(levels)):
-            raise ValueError(f"levels must be distinct ints from 1 to 4, got {list(levels)}")
-        if self.workload != "ladder" and levels != LADDER_LEVELS:
-            raise ValueError(f"levels applies to the ladder workload only, got {list(levels)} with workload {self.workload!r}")
-        if self.workload == "ladder" and self.data is not None:
-            raise ValueError("data cannot be used with the ladder workload, whose questions are generated; "
-                             "run a GSM8K JSONL with workload 'gsm8k'")
-        for name, low in (("questions", 1), ("branches", 1), ("shots", 0), ("max_new_tokens", 1), ("seed", 0), ("tree_depth", 0)):
-            value = getattr(self, name)
-            _check_type(name, value, int)
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        _check_type("ensemble", self.ensemble, int)
-        if not 1 <= self.ensemble <= MAX_ENSEMBLE or self.branches % self.ensemble:
-            raise ValueError(f"ensemble must be in [1, {MAX_ENSEMBLE}] and divide branches "
-                             f"({self.branches}), got {self.ensemble}")
-        _check_type("tree_budget_mb", self.tree_budget_mb, (int, float))
-        if not self.tree_budget_mb > 0:
-            raise ValueError(f"tree_budget_mb must be > 0, got {self.tree_budget_mb}")
-        unknown = [a for a in self.arms if a not in ARMS]
-        if unknown or not self.arms:
-            raise ValueError(f"arms must be a non-empty subset of {list(ARMS)}, got {list(self.arms)}")
-        object.__setattr__(self, "levels", levels)  # a list becomes a tuple: the config stays hashable
-
-    @property
-    def answer_format(self) -> str:
-        """``"gsm8k"`` or ``"choice"``: how this workload's answers are asked for, extracted and judged."""
-        return ANSWER_FORMATS[self.workload]
-
-
-@dataclass
-class ArmRecord:
-    """What one arm did for one question."""
-
-    arm: str
-    question_index: int
-    wall_s: float
-    prompt_tokens_computed: int
-    answer: str | None
-    gold: str
-    difficulty: int
-    verified: bool
-    skipped: bool
-    exit_layers: list[int] = field(default_factory=list)
-    num_layers: int | None = None
-    level: int | None = None  # the question's ladder level; None outside the ladder workload
-
-    @property
-    def correct(self) -> bool:
-        return self.answer is not None and _same_answer(self.answer, self.gold)
-
-    @property
-    def early_exited(self) -> bool:
-        return bool(self.exit_layers) and self.num_layers is not None and min(self.exit_layers) < self.num_layers - 1
-
-
-@dataclass
-class BenchReport:
-    config: BenchConfig
-    records: list[ArmRecord]
-    unavailable: dict[str, str]  # arm -> why it did not run
-    machine: dict[str, Any]
-    tree_cache_bytes: list[int] = field(default_factory=list)  # after each expansion of the tree search
-    tree_budget_bytes: int = 0
-
-    def arm_records(self, arm: str) -> list[ArmRecord]:
-        return [r for r in self.records if r.arm == arm]
-
-    def arms_run(self) -> list[str]:
-        return [a for a in self.config.arms if self.arm_records(a)]
-
-    def summary(self) -> dict[str, dict[str, Any]]:
-        """Per arm: totals, ratios to ``no_reuse`` and ``token_exact``, accuracy and agreement."""
-        walls = {a: sum(r.wall_s for r in self.arm_records(a)) for a in self.arms_run()}
-        reference = {r.question_index: r.answer for r in self.arm_records("token_exact")}
-        out = {}
-        for arm in self.arms_run():
-            records = self.arm_records(arm)
-            verified = [r for r in records if r.verified]
-            out[arm] = {
-                "wall_s": walls[arm],
-                "speedup_vs_no_reuse": walls["no_reuse"] / walls[arm] if "no_reuse" in walls else None,
-                "speedup_vs_token_exact": walls["token_exact"] / walls[arm] if "token_exact" in walls else None,
-                "prompt_tokens_computed": sum(r.prompt_tokens_computed for r in records),
-                "verifier_skipped": sum(r.skipped for r in records),
-                "verifier_early_exited": sum(r.early_exited for r in verified),
-                "questions": len(records),
-                "accuracy": sum(r.correct for r in records) / len(records),
-                "agreement_with_token_exact": (
-                    sum(reference.get(r.question_index) == r.answer for r in records) / len(records)
-                    if reference else None
-                ),
-            }
-        return out
-
-    def skip_rate_by_difficulty(self, arm: str = "rksc") -> dict[int, tuple[int, int]]:
-        """Difficulty (solution steps) -> (verifier calls skipped, questions)."""
-        table: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        for r in self.arm_records(arm):
-            table[r.difficulty][0] += r.skipped
-            table[r.difficulty][1] += 1
-        return {k: (v[0], v[1]) for k, v in sorted(table.items())}
-
-    def by_level(self, arm: str) -> dict[int, tuple[int, int, int]]:
-        """Ladder level -> (answered correctly, verifier calls skipped, questions) for ``arm``;
-        empty outside the ladder workload."""
-        table: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
-        for r in self.arm_records(arm):
-            if r.level is not None:
-                row = table[r.level]
-                row[0], row[1], row[2] = row[0] + r.correct, row[1] + r.skipped, row[2] + 1
-        return {k: (v[0], v[1], v[2]) for k, v in sorted(table.items())}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "config": dataclasses.asdict(self.config),
-            "machine": self.machine,
-            "unavailable": self.unavailable,
-            "summary": self.summary(),
-            "skip_rate_by_difficulty": {str(k): v for k, v in self.skip_rate_by_difficulty().items()},
-            "tree_search": {"cache_bytes_after_each_expansion": self.tree_cache_bytes, "budget_bytes": self.tree_budget_bytes},
-            "records": [dataclasses.asdict(r) | {"correct": r.correct, "early_exited": r.early_exited} for r in self.records],
-        }
 
 
 # -- questions ------------------------------------------------------------------------------------
-def _same_answer(a: str, b: str) -> bool:
-    def norm(x: str) -> str:
-        x = x.strip().replace(",", "").rstrip(".")
-        return x[:-2] if x.endswith(".0") else x
-    return norm(a).lower() == norm(b).lower()
-
-
 def load_problems(config: BenchConfig) -> tuple[list[Problem], list[Problem]]:
     """``(few-shot examples, questions)`` for the configured workload."""
     if config.workload == "ladder":
@@ -419,7 +205,13 @@ def _engine_config(name: str) -> EngineConfig | None:
     if name == "rksc":
         return EngineConfig()  # the shipped defaults, whatever they are
     has_asks = "asks" in {f.name for f in dataclasses.fields(EngineConfig)}
-    kwargs: dict[str, Any] = {"prefix_cache": PrefixCacheConfig(enabled=name not in ("no_reuse", "cgee_only"))}
+    reuse = name not in ("no_reuse", "cgee_only")
+    if "enabled" in {f.name for f in dataclasses.fields(RSBCMConfig)}:
+        kwargs: dict[str, Any] = {"rsbcm": RSBCMConfig(enabled=reuse)}
+    else:  # a build from before the cache had one config
+        from rksc_engine.config import PrefixCacheConfig  # type: ignore[attr-defined]
+
+        kwargs = {"prefix_cache": PrefixCacheConfig(enabled=reuse)}
     if has_asks:
         from rksc_engine.config import ASKSConfig
 
@@ -512,63 +304,6 @@ def _tree_search_trace(config: BenchConfig, model: Any, tokenizer: Any, shots: l
     return result.cache_bytes_trace, engine.prefix_cache.budget_bytes
 
 
-def render_markdown(report: BenchReport) -> str:
-    """The per-arm table, the ablation and the skip rate by difficulty (on the ladder, accuracy and
-    skip rate by level), as markdown."""
-    summary = report.summary()
-    cfg = report.config
-
-    def ratio(x: float | None) -> str:
-        return "" if x is None else f"{x:.2f}x"
-
-    workload = f"`{cfg.workload}`"
-    if cfg.workload == "ladder":
-        workload += f" (the difficulty ladder, levels {', '.join(map(str, cfg.levels))})"
-    lines = [
-        f"workload {workload}, {cfg.questions} questions x {cfg.branches} branches, {cfg.shots}-shot, "
-        f"ensemble {cfg.ensemble}, up to {cfg.max_new_tokens} new tokens; {report.machine['cpus']} CPUs, "
-        f"{report.machine['dtype']}",
-        "",
-        "| arm | wall s | vs no reuse | vs token-exact | prompt tokens computed | verifier skipped | early-exited | accuracy | agrees with token-exact |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for arm, s in summary.items():
-        agree = "" if s["agreement_with_token_exact"] is None else f"{s['agreement_with_token_exact']:.0%}"
-        lines.append(
-            f"| {arm} | {s['wall_s']:.1f} | {ratio(s['speedup_vs_no_reuse'])} | {ratio(s['speedup_vs_token_exact'])} | "
-            f"{s['prompt_tokens_computed']:,} | {s['verifier_skipped']}/{s['questions']} | "
-            f"{s['verifier_early_exited']}/{s['questions']} | {s['accuracy']:.0%} | {agree} |"
-        )
-    for arm, why in report.unavailable.items():
-        lines.append(f"| {arm} | not run: {why} | | | | | | | |")
-    ablation = [(label, arm) for label, arm in (("neither", "no_reuse"), ("KV sharing (ASKS) alone", "asks"),
-                                                ("CGEE alone", "cgee_only"), ("both", "rksc")) if arm in summary]
-    if len(ablation) > 1 and "no_reuse" in summary:
-        lines += ["", "| ablation | arm | speedup vs no reuse |", "|---|---|---:|"]
-        lines += [f"| {label} | {arm} | {ratio(summary[arm]['speedup_vs_no_reuse'])} |" for label, arm in ablation]
-    by_difficulty = report.skip_rate_by_difficulty()
-    levels = {arm: report.by_level(arm) for arm in summary}
-    if any(levels.values()):
-        # A ladder level is its solution steps, so this table replaces the one by difficulty.
-        arms = list(levels)
-        skip = "rksc" in levels
-        lines += ["", "| ladder level | questions | " + " | ".join(f"accuracy ({a})" for a in arms)
-                  + (" | CGEE skipped (rksc arm) |" if skip else " |"),
-                  "|---:|---:|" + "---:|" * (len(arms) + skip)]
-        for level in sorted({lv for table in levels.values() for lv in table}):
-            cells = [(levels[a].get(level) or (0, 0, 0)) for a in arms]
-            n = max(c[2] for c in cells)
-            row = [str(level), str(n)] + [f"{c[0] / c[2]:.0%}" if c[2] else "" for c in cells]
-            if skip:
-                s = levels["rksc"].get(level) or (0, 0, 0)
-                row.append(f"{s[1]}/{s[2]}")
-            lines.append("| " + " | ".join(row) + " |")
-    elif by_difficulty:
-        lines += ["", "| solution steps | CGEE skipped (rksc arm) |", "|---:|---:|"]
-        lines += [f"| {d} | {s}/{n} |" for d, (s, n) in by_difficulty.items()]
-    return "\n".join(lines)
-
-
 def save_report(report: BenchReport, out_dir: Path, plots: bool = True) -> list[Path]:
     """Write ``bench.json``, ``bench.md`` and (with matplotlib) the PNG plots; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -576,7 +311,7 @@ def save_report(report: BenchReport, out_dir: Path, plots: bool = True) -> list[
     paths[0].write_text(json.dumps(report.to_json(), indent=2))
     paths[1].write_text(render_markdown(report) + "\n")
     if plots:
-        from .plots import plot_report
+        from rksc_bench.plots import plot_report
 
         paths += plot_report(report, out_dir)
     return paths

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .paper import BenchReport
+from rksc_bench.report import BenchReport
 
 
 def plot_report(report: BenchReport, out_dir: Path) -> list[Path]:

@@ -15,13 +15,14 @@ from .config import (
     SchedulerConfig,
 )
 from .engine import Prefilled, RKSCEngine
-from .loading import DefaultModelNotInstalled
-from .memory import ForwardOutOfMemoryError
-from .prefix_cache import LRUPolicy, OmegaPolicy, PrefixMatch, RadixPrefixCache
+from .kvcache.memory import ForwardOutOfMemoryError
+from .kvcache.radix import LRUPolicy, OmegaPolicy, PrefixMatch, RadixPrefixCache
+from .protocol import Engine, LocalEngine
+from .reasoning.tree_search import SearchNode, SearchResult
 from .remote import RemoteEngine, RemoteServerError
-from .requests import RequestCancelled, RequestHandle
-from .tree_search import SearchNode, SearchResult
-from .types import ASKSDecision, Completion, EngineStats, StreamChunk
+from .results import ASKSDecision, Completion, EngineStats, StreamChunk
+from .runtime.handle import RequestCancelled, RequestHandle
+from .runtime.loading import DefaultModelNotInstalled
 
 __all__ = [
     "ASKSConfig",
@@ -29,10 +30,12 @@ __all__ = [
     "CGEEConfig",
     "Completion",
     "DefaultModelNotInstalled",
+    "Engine",
     "EngineConfig",
     "EngineStats",
     "ForwardOutOfMemoryError",
     "LRUPolicy",
+    "LocalEngine",
     "OmegaPolicy",
     "Prefilled",
     "PrefixCacheConfig",

@@ -8,8 +8,9 @@ any model or cache state is touched.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def _check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
@@ -130,11 +131,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    """The radix prefix cache shared across calls.
+    """Deprecated: whether the radix prefix cache is on is ``RSBCMConfig.enabled`` now, beside the
+    rest of that cache's settings. ``EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False))``
+    still works (with a ``DeprecationWarning``) and means ``EngineConfig(rsbcm=RSBCMConfig(enabled=False))``.
 
     Attributes:
-        enabled: Reuse KV of previously computed token prefixes. Default True. Its memory budget and
-            eviction policy are ``EngineConfig.rsbcm``.
+        enabled: Reuse KV of previously computed token prefixes. Default True.
     """
 
     enabled: bool = True
@@ -143,9 +145,14 @@ class PrefixCacheConfig:
         _check_type("prefix_cache.enabled", self.enabled, bool)
 
 
+# The radix cache's eviction policies by name (``kvcache.radix.EVICTION_POLICIES`` implements each).
+EVICTION_POLICY_NAMES = ("lru", "omega")
+
+
 @dataclass(frozen=True)
 class RSBCMConfig:
-    """RSBCM: the prefix cache's memory budget, block size, eviction policy and out-of-memory recovery.
+    """The radix prefix cache shared across calls, RSBCM: whether it is on, its memory budget, block
+    size, eviction policy and out-of-memory recovery.
 
     Attributes:
         cache_budget_mb: Most KV the prefix cache keeps, in MiB (> 0). Default 1024 (about 22k
@@ -162,6 +169,8 @@ class RSBCMConfig:
             ``cache_budget_mb`` after each request that ran without running out of memory.
             Default 2 (a halved budget is whole again after one clean request).
         oom_backoff_s: First wait between tries in seconds (>= 0), doubling each retry. Default 0.05.
+        enabled: Reuse KV of previously computed token prefixes across calls. Default True. Off, every
+            prompt is computed in full (the budget still bounds the branches' own KV).
     """
 
     cache_budget_mb: float = 1024.0
@@ -171,8 +180,10 @@ class RSBCMConfig:
     oom_budget_shrink: float = 0.5
     oom_budget_restore: float = 2.0
     oom_backoff_s: float = 0.05
+    enabled: bool = True
 
     def __post_init__(self) -> None:
+        _check_type("rsbcm.enabled", self.enabled, bool)
         _check_type("rsbcm.cache_budget_mb", self.cache_budget_mb, (int, float))
         if not self.cache_budget_mb > 0 or self.cache_budget_mb == float("inf"):
             raise ValueError(f"rsbcm.cache_budget_mb must be > 0 and finite, got {self.cache_budget_mb}")
@@ -181,11 +192,9 @@ class RSBCMConfig:
         _check_type("rsbcm.block_size", self.block_size, int)
         if self.block_size < 1:
             raise ValueError(f"rsbcm.block_size must be >= 1, got {self.block_size}")
-        from .prefix_cache import EVICTION_POLICIES  # lazy: config stays importable without torch work
-
         _check_type("rsbcm.policy", self.policy, str)
-        if self.policy not in EVICTION_POLICIES:
-            raise ValueError(f"rsbcm.policy must be one of {sorted(EVICTION_POLICIES)}, got {self.policy!r}")
+        if self.policy not in EVICTION_POLICY_NAMES:
+            raise ValueError(f"rsbcm.policy must be one of {sorted(EVICTION_POLICY_NAMES)}, got {self.policy!r}")
         _check_type("rsbcm.oom_max_attempts", self.oom_max_attempts, int)
         if self.oom_max_attempts < 1:
             raise ValueError(f"rsbcm.oom_max_attempts must be >= 1, got {self.oom_max_attempts}")
@@ -206,14 +215,14 @@ class RSBCMConfig:
 
 @dataclass(frozen=True)
 class CGEEConfig:
-    """Thresholds of both CGEE levels (see ``rksc_engine.cgee`` for the rules they feed).
+    """Thresholds of both CGEE levels (see ``rksc_engine.reasoning.cgee`` for the rules they feed).
 
     The defaults are the settings that cannot change an answer: level 1 skips only a unanimous vote
     (whose single candidate verification could not overturn) and level 2 is off. Looser thresholds
     pay only where a model's vote is often confident and its judge's middle layers already hold the
     final decision; how much they save, and at what decision error, depends on the model and the
     workload (measured in ``docs/bench/cgee_ladder.md`` and ``docs/bench/cgee_lens_exit.md``, with
-    their commands). Choose them on your own questions with ``rksc_engine.cgee.calibrate`` (decision
+    their commands). Choose them on your own questions with ``rksc_engine.evaluation.calibration.calibrate`` (decision
     error against full verification) or ``calibrate_split`` (accuracy against the right answers).
 
     Attributes:
@@ -267,7 +276,7 @@ RECOMPUTE_SELECTIONS = ("deviation", "nearest")
 @dataclass(frozen=True)
 class ASKSConfig:
     """ASKS: reuse cached KV across prompts that differ only in a short span of wording
-    (``rksc_engine.asks``). Approximate when it reuses, so it is off by default.
+    (``rksc_engine.kvcache.asks``). Approximate when it reuses, so it is off by default.
 
     Attributes:
         enabled: Try ASKS when a prompt's token-exact cached prefix ends early. Default False.
@@ -292,7 +301,7 @@ class ASKSConfig:
         max_mean_deviation: Reuse only when the remainder's mean relative KV deviation at the probe
             layer is at most this, >= 0 (needs ``recompute_selection="deviation"``); above it the
             remainder is computed exactly. Default ``inf`` (no deviation gate, ``tau`` alone decides).
-        reuse_chunks: Retrieved-context reuse (``rksc_engine.chunk_reuse``): cut a text prompt at
+        reuse_chunks: Retrieved-context reuse (``rksc_engine.kvcache.chunk_reuse``): cut a text prompt at
             ``chunk_separator``, cache each segment between the first and the last (a retrieved
             chunk) on its own, and reuse its KV wherever it appears in a later prompt, repaired by
             ``recompute_fraction`` and gated by ``max_mean_deviation``. Needs ``enabled``. Default False.
@@ -355,7 +364,7 @@ class ASKSConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the scheduler batches concurrent requests (``rksc_engine.scheduler``).
+    """How the scheduler batches concurrent requests (``rksc_engine.runtime.scheduler``).
 
     Attributes:
         max_batch_rows: Most branches, over all running requests, decoded in one forward (>= 1).
@@ -386,13 +395,13 @@ class EngineConfig:
     """Engine-wide settings.
 
     Attributes:
-        prefix_cache: Settings of the radix prefix cache.
-        rsbcm: The prefix cache's budget, blocks, eviction policy and out-of-memory recovery.
+        rsbcm: The radix prefix cache: on or off, its budget, blocks, eviction policy and out-of-memory recovery.
+        prefix_cache: Deprecated (``rsbcm.enabled``); None.
         trust_remote_code: Passed to ``transformers`` when loading a model directory. Default False.
         cgee: Default CGEE thresholds of ``engine.reason`` when a call passes none.
         decode_attention: How branches attend to the prompt while decoding. ``"auto"`` (default):
             one shared copy of the prompt's KV with split prefix/suffix attention
-            (``rksc_engine.shared_prefix``) where a one-time numerical probe shows the model supports
+            (``rksc_engine.kvcache.shared_prefix``) where a one-time numerical probe shows the model supports
             it, else ``"dynamic_cache"``; ``"shared_prefix"``: the same, but an unsupported model
             raises instead of falling back; ``"dynamic_cache"``: the plain path, the prompt's KV
             copied once per branch in a ``transformers`` ``DynamicCache``.
@@ -400,8 +409,8 @@ class EngineConfig:
         scheduler: How concurrent requests are batched.
     """
 
-    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     rsbcm: RSBCMConfig = field(default_factory=RSBCMConfig)
+    prefix_cache: PrefixCacheConfig | None = None
     trust_remote_code: bool = False
     cgee: CGEEConfig = field(default_factory=CGEEConfig)
     decode_attention: str = "auto"
@@ -409,8 +418,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
         _check_type("rsbcm", self.rsbcm, RSBCMConfig)
+        if self.prefix_cache is not None:
+            _check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
+            warnings.warn("EngineConfig(prefix_cache=PrefixCacheConfig(enabled=...)) is deprecated: use "
+                          "EngineConfig(rsbcm=RSBCMConfig(enabled=...))", DeprecationWarning, stacklevel=3)
+            # One config per cache: fold the old switch into rsbcm, so nothing reads two places.
+            object.__setattr__(self, "rsbcm", replace(self.rsbcm, enabled=self.rsbcm.enabled and self.prefix_cache.enabled))
+            object.__setattr__(self, "prefix_cache", None)
         _check_type("cgee", self.cgee, CGEEConfig)
         _check_type("asks", self.asks, ASKSConfig)
         _check_type("scheduler", self.scheduler, SchedulerConfig)

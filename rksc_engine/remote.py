@@ -57,8 +57,16 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from .config import SamplingParams, check_request_shape
-from .requests import LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle, astream_chunks, stream_chunks
-from .types import Completion, EngineStats, FinishReason, StreamChunk
+from .results import Completion, EngineStats, FinishReason, StreamChunk
+from .runtime.handle import (
+    BranchMonitor,
+    LogitsProcessor,
+    RequestCancelled,
+    RequestChannel,
+    RequestHandle,
+    astream_chunks,
+    stream_chunks,
+)
 
 # Statuses that say the server turned the request away before working on it: rate limited, or
 # unavailable. A 500, 502 or 504 may come after the generation started (a proxy's 504 certainly
@@ -164,13 +172,20 @@ class RemoteEngine:
 
     # -- the request API ------------------------------------------------------------------------
     def submit(self, prompt: Any, n: int = 1, params: SamplingParams | None = None, *, stream: bool = False,
-               logits_processor: LogitsProcessor | None = None) -> RequestHandle:
+               logits_processor: LogitsProcessor | None = None, monitor: BranchMonitor | None = None,
+               max_branches: int | None = None) -> RequestHandle:
         """Send a request of ``n`` choices and return its handle at once (as ``RKSCEngine.submit``).
 
         ``handle.num_prompt_tokens`` is None: the server tokenizes; each ``Completion`` has the count.
+        ``logits_processor``, ``monitor`` and ``max_branches`` act inside the server's decode loop, so
+        they are refused (``NotImplementedError``) before anything is sent.
         """
         if logits_processor is not None:
             raise NotImplementedError(f"a logits processor runs inside the decode loop, so {LOCAL_ONLY}")
+        if monitor is not None:
+            raise NotImplementedError(f"monitor sees each token as it is decoded, so {LOCAL_ONLY}")
+        if max_branches is not None:
+            raise NotImplementedError(f"max_branches adds branches to a running request, so {LOCAL_ONLY}")
         if not isinstance(stream, bool):
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
         path, body = _prompt_body(prompt)
@@ -275,7 +290,8 @@ class RemoteEngine:
     def encode(self, prompt: Any) -> list[int]:
         raise NotImplementedError(f"token ids come from the model's tokenizer, so {LOCAL_ONLY}")
 
-    encode_chat = encode
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        raise NotImplementedError(f"the chat template and token ids belong to the model's tokenizer, so {LOCAL_ONLY}")
 
     def __getattr__(self, name: str) -> Any:
         if name in ("config", "model", "tokenizer", "prefix_cache", "exclusive", "forward", "cached_prefix",
@@ -520,7 +536,7 @@ class _Waiter:
     def __init__(self, call: _Call) -> None:
         self._call = call
 
-    def owns_engine(self) -> bool:
+    def holds_engine(self) -> bool:
         return False  # no engine lock here: an awaiting caller always waits for the worker
 
     def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:

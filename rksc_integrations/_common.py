@@ -11,8 +11,8 @@
   (``call_sampling_params``); an unknown one raises ``TypeError`` listing the accepted ones.
 * Tool-call turns: with tools offered through the system-prompt protocol (a chat template that does
   not take ``tools``, SmolLM2's for one), whatever the model writes before ``<tool_call>`` is dropped
-  from the message content (``rksc_engine.tools.tool_turn_content``, applied by
-  ``rksc_engine.tools.finish_tool_turn``). Small models mostly write the protocol's own instruction
+  from the message content (``rksc_engine.structured.tools.tool_turn_content``, applied by
+  ``rksc_engine.structured.tools.finish_tool_turn``). Small models mostly write the protocol's own instruction
   there ("You can call a tool, reply with one block per call and nothing else:"), and an agent feeds
   the content back into its history, where the echo compounds. A template that takes tools keeps the
   text: there it is the model's own words.
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rksc_engine import SamplingParams
-from rksc_engine.tools import tool_turn_content
+from rksc_engine.structured.tools import tool_turn_content
 
 __all__ = ["call_sampling_params", "check_chat_has_text", "check_prompt_text", "normalise_stop", "tool_turn_content"]
 

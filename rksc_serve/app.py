@@ -16,7 +16,7 @@ Endpoints:
 Promises:
     * Only the engine's public API is used (``submit``, ``areason``, ``tree_search``, ``stats``,
       ``tokenizer``, ``model_name``, ``context_window``, ``config.cgee``; for tools and JSON answers
-      ``encode_chat``, ``validate_request`` and what ``rksc_engine.tools`` uses); the engine knows
+      ``encode_chat``, ``validate_request`` and what ``rksc_engine.structured.tools`` uses); the engine knows
       nothing of HTTP.
     * With ``api_key``, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``
       (401 otherwise, compared in constant time).
@@ -47,7 +47,7 @@ Promises:
       choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
       when it finishes).
     * Tools and JSON answers (``tools``, ``tool_choice``, ``response_format``) are decided by
-      ``rksc_engine.tools``, as the adapters decide them (``rksc_serve.tool_turns``): calls and JSON
+      ``rksc_engine.structured.tools``, as the adapters decide them (``rksc_serve.tool_turns``): calls and JSON
       are decoded under their schema, a call comes back as ``message.tool_calls`` with
       ``finish_reason: "tool_calls"``. Their streams deliver a decided turn's calls (and a JSON
       answer) in one delta each rather than token by token: the call is decoded a value at a time
@@ -79,13 +79,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams
-from rksc_engine import tools as tool_protocol
-from rksc_engine.constrained import value_params
-from rksc_engine.reasoning import default_cgee
-
-from .logprobs import TokenText, TopLogprobsRecorder
-from .metrics import CountRequests, ServeMetrics
-from .protocol import (
+from rksc_engine.protocol import LocalEngine
+from rksc_engine.reasoning.self_consistency import default_cgee
+from rksc_engine.structured import tools as tool_protocol
+from rksc_engine.structured.constrained import value_params
+from rksc_serve.logprobs import TokenText, TopLogprobsRecorder
+from rksc_serve.metrics import CountRequests, ServeMetrics
+from rksc_serve.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     ChatPlan,
@@ -95,10 +95,10 @@ from .protocol import (
     engine_error_param,
     error_param,
 )
-from .reasoning import ReasonRequest, TreeSearchRequest, engine_error_field, reasoning_body, search_body
-from .responses import ChatShape, Shape, TextShape, Turn, envelope, stop_reason, turns_usage, usage
-from .tool_turns import choice_seed, constrained_turn, finish_turn
-from .workers import DEFAULT_WORKER_THREADS, WorkerPool, check_worker_threads
+from rksc_serve.reasoning import ReasonRequest, TreeSearchRequest, engine_error_field, reasoning_body, search_body
+from rksc_serve.responses import ChatShape, Shape, TextShape, Turn, envelope, stop_reason, turns_usage, usage
+from rksc_serve.tool_turns import choice_seed, constrained_turn, finish_turn
+from rksc_serve.workers import DEFAULT_WORKER_THREADS, WorkerPool, check_worker_threads
 
 T = TypeVar("T")
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/rksc/reason", "/v1/rksc/tree_search",
@@ -175,7 +175,7 @@ def warn_if_exposed(host: str, api_key: str | None) -> bool:
     return True
 
 
-def create_app(engine: Any, api_key: str | None = None, *, model_name: str | None = None,
+def create_app(engine: LocalEngine, api_key: str | None = None, *, model_name: str | None = None,
                max_tokens_limit: int = 4096, max_n: int = 64, max_body_bytes: int = 1 << 20,
                worker_threads: int = DEFAULT_WORKER_THREADS, host: str | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (an ``RKSCEngine``).
@@ -272,9 +272,9 @@ def create_app(engine: Any, api_key: str | None = None, *, model_name: str | Non
         tree_search = server.local_method("tree_search", "/v1/rksc/tree_search")
         body = await server.parse(request, TreeSearchRequest)
         _check(lambda: body.check(server.limits))
+        kwargs = _check(body.engine_kwargs)
 
         async def search() -> Any:
-            kwargs = body.engine_kwargs()
             # Synchronous: it submits each level to the scheduler and waits, so it runs on a pool thread.
             run = server.search_pool.run(lambda: tree_search(body.question, **kwargs))
             return await _until_disconnect(request, run)
@@ -315,7 +315,7 @@ class _Server:
     """What the routes share: the engine, the limits, the metrics, the worker pools, and the
     request plumbing."""
 
-    def __init__(self, engine: Any, api_key: str | None, model_name: str, limits: ServeLimits,
+    def __init__(self, engine: LocalEngine, api_key: str | None, model_name: str, limits: ServeLimits,
                  worker_threads: int) -> None:
         self.engine = engine
         self.api_key = api_key

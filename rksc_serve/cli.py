@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .workers import DEFAULT_WORKER_THREADS
+from rksc_serve.workers import DEFAULT_WORKER_THREADS
 
 SERVE_HELP = "serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming, metrics)"
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .app import create_app
+        from rksc_serve.app import create_app
     except ImportError as error:
         raise SystemExit(f"rksc serve needs the serve extra: pip install 'rksc[serve]' ({error})") from None
     from rksc_engine import RKSCEngine
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_replicas(args: argparse.Namespace) -> int:
     """``--replicas N`` (N > 1): deploy N replicas on Ray Serve and serve until interrupted."""
     try:
-        from . import cluster
+        from rksc_serve import cluster
     except ImportError as error:
         raise SystemExit(f'rksc serve --replicas needs the cluster extra: pip install "rksc[cluster]" ({error})') from None
     spec = cluster.ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, api_key=args.api_key,

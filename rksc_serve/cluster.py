@@ -51,7 +51,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .workers import DEFAULT_WORKER_THREADS
+from rksc_serve.workers import DEFAULT_WORKER_THREADS
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -147,8 +147,7 @@ class ReplicaServer:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         from rksc_engine import RKSCEngine
-
-        from .app import create_app
+        from rksc_serve.app import create_app
 
         self.engine = RKSCEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype,
                                                  config=spec.engine_config, progress=False)
@@ -404,7 +403,7 @@ def start_cluster(spec: ReplicaSpec, replicas: int, host: str = "127.0.0.1", por
     started on the cluster. ``log_level`` is the application's
     (``"info"`` logs every request).
     """
-    from .app import warn_if_exposed
+    from rksc_serve.app import warn_if_exposed
 
     warn_if_exposed(host, spec.api_key)
     app = build_app(spec, replicas, routing, **options)

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rksc_engine import Completion
+from rksc_engine.protocol import Engine
 
 
 class EngineCollector:
@@ -54,7 +55,7 @@ class EngineCollector:
         ("rksc_peak_batch_rows", "peak_batch_rows", "Most branches decoded in one forward since the stats reset."),
     )
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterable[Any]:
@@ -70,7 +71,7 @@ class EngineCollector:
 class ServeMetrics:
     """The app's registry and the counters it updates."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self.http_requests = Counter("rksc_http_requests", "HTTP requests answered, by route and status.",
                                      ["path", "status"], registry=self.registry)

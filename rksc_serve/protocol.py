@@ -6,10 +6,10 @@ Promises:
       server does not support with a value that would change the answer (the deprecated
       ``functions``, non-zero penalties, ``logit_bias``, ``echo``, ``best_of``), a tool or
       ``response_format`` schema using a feature constrained decoding cannot enforce
-      (``rksc_engine.json_schema.check_schema``) raises ``pydantic.ValidationError`` or ``InvalidRequest``;
+      (``rksc_engine.structured.json_schema.check_schema``) raises ``pydantic.ValidationError`` or ``InvalidRequest``;
       both name the field, and the app turns them into HTTP 400 with OpenAI's error JSON.
     * ``tools``/``tool_choice`` and ``response_format`` become a ``ChatPlan``: the ``ToolRequest``
-      and JSON schema that ``rksc_engine.tools`` decodes under, exactly as the LangChain and
+      and JSON schema that ``rksc_engine.structured.tools`` decodes under, exactly as the LangChain and
       LlamaIndex adapters do.
     * Types are strict (``"n": "2"`` and ``"stream": 1`` are refused, not coerced); unknown fields
       that do not change the answer (``user``, ``metadata``, ``store``, ...) are ignored.
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rksc_engine import SamplingParams
 from rksc_engine.config import MAX_SEED
-from rksc_engine.json_schema import SchemaNotSupported, check_schema
-from rksc_engine.tools import ToolRequest
+from rksc_engine.structured.json_schema import SchemaNotSupported, check_schema
+from rksc_engine.structured.tools import ToolRequest
 
 # OpenAI's default number of tokens of a legacy completion when the request names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -303,7 +303,7 @@ class ResponseFormat(BaseModel):
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """What a chat request asks beyond free text, in ``rksc_engine.tools``' terms.
+    """What a chat request asks beyond free text, in ``rksc_engine.structured.tools``' terms.
 
     Attributes:
         tools: The tools offered and whether a call is forced; None when none are offered (none

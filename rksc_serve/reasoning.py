@@ -14,10 +14,14 @@ Promises:
       those arguments. Sampling fields left out keep the engine's defaults for the call
       (``DEFAULT_REASON_PARAMS``, ``DEFAULT_SEARCH_PARAMS``); ``cgee`` fields left out keep the
       engine's own ``EngineConfig.cgee``; ``early_stop`` left out is the engine's default, ``"decided"``
-      (exact: it never changes the vote's winner), and null runs every branch to its end.
+      (exact: it never changes the vote's winner), and null runs every branch to its end. A tree
+      search's ``early_stop`` is parsed the same way (``early_stop_name_as_object``, ``EarlyStopOverrides``)
+      but, as in ``engine.tree_search``, is off when left out and takes only ``length`` and
+      ``confidence``: the vote rules are refused before anything runs.
     * Answers are the engine's result dataclasses as JSON (``reasoning_body``, ``search_body``);
       ``finish_reason`` is the engine's (``"eos"``, ``"stop"``, ``"length"``, ``"cancelled"`` for a
-      branch an early-stop rule stopped), not OpenAI's.
+      branch an early-stop rule stopped), not OpenAI's; a tree-search node an early-stop rule stopped
+      has status ``"stopped"``. ``early_stop`` is in both answers, null when early stopping was off.
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rksc_engine import CGEEConfig, SamplingParams, SearchResult
 from rksc_engine.config import MAX_SEED
-from rksc_engine.datasets import Problem
-from rksc_engine.early_stop import (
+from rksc_engine.reasoning.early_stop import (
     EARLY_STOP_RULES,
     AdaptiveConfig,
     AnsweredConfig,
@@ -40,11 +43,23 @@ from rksc_engine.early_stop import (
     EarlyStopConfig,
     LengthConfig,
 )
-from rksc_engine.reasoning import DEFAULT_REASON_PARAMS, EXTRACTORS, ReasoningResult
-from rksc_engine.tree_search import DEFAULT_SEARCH_PARAMS, SCORER_NAMES
-
-from .protocol import ChatMessage, InvalidRequest, ServeLimits, engine_error_param, within_max_n, within_max_tokens
-from .responses import usage
+from rksc_engine.reasoning.few_shot import Problem
+from rksc_engine.reasoning.self_consistency import DEFAULT_REASON_PARAMS, EXTRACTORS, ReasoningResult
+from rksc_engine.reasoning.tree_search import (
+    DEFAULT_SEARCH_PARAMS,
+    SCORER_NAMES,
+    SEARCH_EARLY_STOP_RULES,
+    resolve_search_early_stop,
+)
+from rksc_serve.protocol import (
+    ChatMessage,
+    InvalidRequest,
+    ServeLimits,
+    engine_error_param,
+    within_max_n,
+    within_max_tokens,
+)
+from rksc_serve.responses import usage
 
 # Most reasoning steps one tree search may take (each is a level of beam * breadth generations).
 MAX_SEARCH_DEPTH = 16
@@ -183,6 +198,20 @@ class EarlyStopOverrides(BaseModel):
             raise InvalidRequest(f"early_stop.{message}", f"early_stop.{message.split(' ', 1)[0]}") from None
 
 
+def early_stop_name_as_object(value: Any, names: tuple[str, ...], refused: str = "") -> Any:
+    """``early_stop`` as a body gives it, before validation: a rule name among ``names`` as the
+    ``EarlyStopOverrides`` the engine reads it as (``"decided"``: ``decided`` alone; any other: that rule
+    with its defaults, beside ``decided``, which a tree search ignores); anything else unchanged, for
+    the model to validate. Both rksc endpoints parse ``early_stop`` with this. ``ValueError`` for a
+    name not in ``names``, ending with ``refused`` (why) when it is a rule of another endpoint."""
+    if not isinstance(value, str):
+        return value
+    if value not in names:
+        why = f" ({refused})" if refused and value in EARLY_STOP_RULES else ""
+        raise ValueError(f"must be null, an object or one of {list(names)}, got {value!r}{why}")
+    return EarlyStopOverrides() if value == "decided" else EarlyStopOverrides.model_validate({value: {}})
+
+
 class _RkscRequest(BaseModel):
     """The fields both rksc endpoints share."""
 
@@ -267,12 +296,7 @@ class ReasonRequest(_RkscRequest):
     @field_validator("early_stop", mode="before")
     @classmethod
     def _rule_name_as_object(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        if value not in EARLY_STOP_RULES:
-            raise ValueError(f"must be null, an object or one of {list(EARLY_STOP_RULES)}, got {value!r}")
-        # As the engine reads a name: decided, plus the named rule with its defaults.
-        return EarlyStopOverrides() if value == "decided" else EarlyStopOverrides.model_validate({value: {}})
+        return early_stop_name_as_object(value, EARLY_STOP_RULES)
 
     def engine_kwargs(self, engine_cgee: CGEEConfig) -> dict[str, Any]:
         """The keyword arguments of ``engine.areason``; ``engine_cgee`` is what ``cgee`` overrides."""
@@ -295,6 +319,17 @@ class TreeSearchRequest(_RkscRequest):
     """Ends a step."""
     scorer: str = "confidence"
     """``"confidence"`` (the path's geometric-mean token probability) or ``"judge"`` (the engine as a Yes/No judge)."""
+    early_stop: EarlyStopOverrides | None = None
+    """Stop each expansion's children early: null (the default: every child runs to its step's end),
+    ``"length"`` or ``"confidence"`` (that rule with its defaults), or an object setting ``length`` and/or
+    ``confidence`` (``decided`` is ignored). Children are scored by the beam, not voted, so the vote
+    rules (``answered``, ``adaptive``) are refused. A child a rule stops has status ``"stopped"``."""
+
+    @field_validator("early_stop", mode="before")
+    @classmethod
+    def _rule_name_as_object(cls, value: Any) -> Any:
+        return early_stop_name_as_object(value, SEARCH_EARLY_STOP_RULES,
+                                         "a tree search's children are scored by the beam, not voted")
 
     @field_validator("scorer")
     @classmethod
@@ -312,10 +347,21 @@ class TreeSearchRequest(_RkscRequest):
                                  "breadth" if too_wide else "beam")
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``engine.tree_search``."""
+        """The keyword arguments of ``engine.tree_search``; ``InvalidRequest`` naming ``early_stop`` (or
+        ``early_stop.<rule>[.<field>]``) for an ``early_stop`` the engine would refuse."""
         return {"breadth": self.breadth, "depth": self.depth, "beam": self.beam, "step_delimiter": self.step_delimiter,
                 "scorer": self.scorer, "params": self._sampling_params(DEFAULT_SEARCH_PARAMS), **self._prompt_kwargs(),
-                "answer_extractor": self.answer_extractor}
+                "answer_extractor": self.answer_extractor, "early_stop": self._early_stop()}
+
+    def _early_stop(self) -> EarlyStopConfig | None:
+        if self.early_stop is None:
+            return None
+        config = self.early_stop.config()
+        try:
+            return resolve_search_early_stop(config)
+        except (TypeError, ValueError) as error:
+            # "early_stop.answered does not apply ..." / "early_stop has no rule that applies ...".
+            raise InvalidRequest(str(error), str(error).split(" ", 1)[0]) from None
 
 
 # The engine argument an engine ValueError/TypeError message starts with -> the body field.
@@ -365,7 +411,10 @@ def reasoning_body(result: ReasoningResult, model: str) -> dict[str, Any]:
 
 
 def search_body(result: SearchResult, model: str) -> dict[str, Any]:
-    """The answer of ``/v1/rksc/tree_search``: the best path's answer and steps, and the scored tree."""
+    """The answer of ``/v1/rksc/tree_search``: the best path's answer and steps, the scored tree (each
+    node's ``status``: ``"root"``, ``"expanded"``, ``"kept"``, ``"pruned"``, or ``"stopped"`` for a child an
+    early-stop rule stopped or left out, never kept or expanded), and what early stopping did
+    (``SearchResult.early_stop``'s totals; null when it was off)."""
     return {
         **_envelope("tree_search", model),
         "answer": result.answer,
@@ -376,5 +425,6 @@ def search_body(result: SearchResult, model: str) -> dict[str, Any]:
         "nodes": [{"index": n.index, "parent": n.parent, "depth": n.depth, "text": n.text,
                    "branch_score": n.branch_score, "status": n.status, "is_final": n.is_final} for n in result.nodes],
         "num_expansions": result.num_expansions,
+        "early_stop": result.early_stop,
         "wall_s": result.wall_s,
     }

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rksc_engine import Completion
-from rksc_engine.tools import ToolCall
-
-from .logprobs import TokenText, TopTokens, chat_logprobs, completion_logprobs
+from rksc_engine.structured.constrained import ToolCall
+from rksc_serve.logprobs import TokenText, TopTokens, chat_logprobs, completion_logprobs
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 

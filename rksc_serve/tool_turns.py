@@ -1,6 +1,6 @@
 """The engine work behind a chat choice with tools offered or a JSON answer asked for.
 
-Every decision is ``rksc_engine.tools``' (the LangChain and LlamaIndex adapters make the same calls),
+Every decision is ``rksc_engine.structured.tools``' (the LangChain and LlamaIndex adapters make the same calls),
 so a client gets the same calls and JSON over HTTP as in-process:
     * A forced call or a JSON answer (``ChatPlan.constrained_from_start``) is decoded under its schema
       from the first token: ``constrained_turn`` -> ``tools.decode_constrained``.
@@ -16,15 +16,14 @@ other request. Choice ``i`` of a seeded request decodes with seed ``seed + i``, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rksc_engine import Completion, SamplingParams
-from rksc_engine import tools as tool_protocol
-from rksc_engine.constrained import value_params
-from rksc_engine.tools import ToolRequest
-
-from .protocol import ChatPlan
-from .responses import FINISH_REASONS, Turn, stop_reason
+from rksc_engine.protocol import LocalEngine
+from rksc_engine.structured import tools as tool_protocol
+from rksc_engine.structured.constrained import value_params
+from rksc_engine.structured.tools import ToolRequest
+from rksc_serve.protocol import ChatPlan
+from rksc_serve.responses import FINISH_REASONS, Turn, stop_reason
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -32,7 +31,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else seed + index
 
 
-def constrained_turn(engine: Any, prompt_ids: Sequence[int], params: SamplingParams, plan: ChatPlan,
+def constrained_turn(engine: LocalEngine, prompt_ids: Sequence[int], params: SamplingParams, plan: ChatPlan,
                      seed: int | None) -> Turn:
     """A forced call or a JSON answer, decoded under its schema from the first token.
 
@@ -49,7 +48,7 @@ def constrained_turn(engine: Any, prompt_ids: Sequence[int], params: SamplingPar
                 first.num_prompt_tokens, first.num_cached_tokens, result.num_generated_tokens)
 
 
-def finish_turn(engine: Any, prompt_ids: Sequence[int], tools: ToolRequest, completion: Completion,
+def finish_turn(engine: LocalEngine, prompt_ids: Sequence[int], tools: ToolRequest, completion: Completion,
                 params: SamplingParams) -> Turn:
     """The turn of a free generation made with ``tools`` offered and the opener among its stops.
 

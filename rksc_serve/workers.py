@@ -2,7 +2,7 @@
 that reaches the engine requests such work makes.
 
 Some answers are made by synchronous engine code: a tool call or a JSON answer is decoded one JSON
-value at a time (``rksc_engine.tools``), and a tree search submits a level and waits for it. The app
+value at a time (``rksc_engine.structured.tools``), and a tree search submits a level and waits for it. The app
 runs each such call on a ``WorkerPool`` of its own instead of asyncio's default executor, so
     * a burst queues behind a fixed number of threads rather than taking the threads the whole
       process shares (``engine.areason``'s verifier pass runs there, and so does any
@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rksc_engine import RequestCancelled, RequestHandle, SamplingParams
+from rksc_engine.protocol import Engine
 
 T = TypeVar("T")
 
@@ -50,10 +51,10 @@ class CancellableEngine:
     ``cancel()`` cancels every request the work has submitted through this object and makes the next
     ``submit`` raise ``RequestCancelled``, so the work stops at its next engine request. Only
     ``submit`` (and the ``generate`` forms, built on it here) is intercepted: every other attribute
-    is the engine's own, which is all that ``rksc_engine.tools`` and the constrained decoder use.
+    is the engine's own, which is all that ``rksc_engine.structured.tools`` and the constrained decoder use.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._handles: list[RequestHandle] = []
         self._handles_guard = threading.Lock()
@@ -114,7 +115,7 @@ class WorkerPool:
         # wrap_future cancels the pool's future when this await is cancelled; a queued call then never runs.
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
 
-    async def run_cancellable(self, engine: Any, fn: Callable[[CancellableEngine], T]) -> T:
+    async def run_cancellable(self, engine: Engine, fn: Callable[[CancellableEngine], T]) -> T:
         """``fn(scoped)`` on a pool thread, ``scoped`` a ``CancellableEngine`` over ``engine``: when the
         caller is cancelled, the call's engine requests are cancelled too and it submits no more."""
         scoped = CancellableEngine(engine)

@@ -2,10 +2,10 @@
 ``MultiBranchReasoner`` (verified self-consistency as a Runnable), with ``RKSCEventCollector`` for
 the rksc custom events they send."""
 
-from ._base import CACHE_EVENT
-from .chat_models import ChatRKSC
-from .llms import RKSCLLM
-from .reasoner import (
+from rksc_integrations.langchain._base import CACHE_EVENT
+from rksc_integrations.langchain.chat_models import ChatRKSC
+from rksc_integrations.langchain.llms import RKSCLLM
+from rksc_integrations.langchain.reasoner import (
     CGEE_EVENT,
     EARLY_EXIT_EVENT,
     EARLY_STOP_EVENT,

@@ -11,9 +11,8 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
-
-from .._common import call_sampling_params, normalise_stop
-from .._engines import shared_engine
+from rksc_integrations._common import call_sampling_params, normalise_stop
+from rksc_integrations._engines import shared_engine
 
 # Per-call keyword arguments (``model.invoke(x, max_tokens=8)``) that override the field of that name.
 CALL_KWARGS = ("max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "n")

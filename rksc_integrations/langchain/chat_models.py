@@ -11,7 +11,7 @@ What differs, on purpose:
       ``usage_metadata["input_token_details"]["cache_read"]``, ``response_metadata["num_cached_tokens"]``
       and an ``rksc_cache_reuse`` custom event.
     * ``n > 1`` decodes sibling generations over one prefill; each is its own ``ChatGeneration``.
-    * Tool calls and structured output are decoded under the schema (``rksc_engine.tools``), so even
+    * Tool calls and structured output are decoded under the schema (``rksc_engine.structured.tools``), so even
       the 135M default model returns well-formed calls.
 """
 
@@ -45,13 +45,12 @@ from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import BaseModel, ConfigDict
 
 from rksc_engine import Completion, SamplingParams
-from rksc_engine import tools as tool_protocol
-from rksc_engine.constrained import ConstrainedResult, inline_refs, value_params
-from rksc_engine.tools import TOOL_CALL_OPEN, ToolCall, ToolRequest
-
-from .._async import iterate_in_thread
-from ._base import RKSCFields, all_at_once, custom_events
-from .messages import to_engine_messages
+from rksc_engine.structured import tools as tool_protocol
+from rksc_engine.structured.constrained import ConstrainedResult, ToolCall, inline_refs, value_params
+from rksc_engine.structured.tools import TOOL_CALL_OPEN, ToolRequest
+from rksc_integrations._async import iterate_in_thread
+from rksc_integrations.langchain._base import RKSCFields, all_at_once, custom_events
+from rksc_integrations.langchain.messages import to_engine_messages
 
 # Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
 _BOUND_KWARGS = ("tools", "tool_choice", "response_format")
@@ -130,7 +129,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
                 ``"json_mode"``: a JSON object; without ``schema`` the model chooses its keys, with one
                 it is decoded like ``"json_schema"``.
             include_raw: Return ``{"raw", "parsed", "parsing_error"}`` instead of the parsed value.
-            strict: Accepted for API parity: decoding always follows the schema (see ``rksc_engine.tools``).
+            strict: Accepted for API parity: decoding always follows the schema (see ``rksc_engine.structured.tools``).
         """
         if kwargs:
             raise TypeError(f"unexpected keyword argument(s) {sorted(kwargs)}")
@@ -169,7 +168,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
         # The tool-call opener ends free text, so a call the model starts is finished under the schema.
         params, n = self.sampling_params(kwargs, stop, (TOOL_CALL_OPEN,) if tools else ())
         tokenizer = self.engine.tokenizer
-        # Calls in the history stay structured; rksc_engine.tools renders them for the template.
+        # Calls in the history stay structured; rksc_engine.structured.tools renders them for the template.
         engine_messages, template_kwargs = tool_protocol.offer_tools(
             to_engine_messages(messages, native_tools=True), tools, tokenizer,
             json_answer=response_format is not None, schema=(response_format or {}).get("schema"),
@@ -350,7 +349,7 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     # -- results --------------------------------------------------------------------------------
     def _message(self, completion: Completion, request: _Request) -> AIMessage:
         """The AIMessage of a free generation; with tools offered, its turn is finished by
-        ``rksc_engine.tools.finish_tool_turn`` (a call the model started is decoded constrained)."""
+        ``rksc_engine.structured.tools.finish_tool_turn`` (a call the model started is decoded constrained)."""
         if request.tools is None:
             return AIMessage(
                 content=completion.text,

@@ -18,9 +18,8 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
 from rksc_engine import Completion, SamplingParams, StreamChunk
-
-from .._common import check_prompt_text
-from ._base import RKSCFields
+from rksc_integrations._common import check_prompt_text
+from rksc_integrations.langchain._base import RKSCFields
 
 
 class RKSCLLM(RKSCFields, BaseLLM):

@@ -4,7 +4,7 @@ Every role renders, in any order: a history may end in an AI message or a ``Tool
 next step), unlike ``ChatHuggingFace``, which requires a final human message. An AI message's tool
 calls become OpenAI-shaped ``tool_calls`` on its dict, or, for a template that does not render them,
 ``<tool_call>`` blocks in its text; the tool protocol itself (both ways of offering tools, the block
-format, parsing, constrained decoding) is ``rksc_engine.tools``.
+format, parsing, constrained decoding) is ``rksc_engine.structured.tools``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from langchain_core.messages import (
     ToolMessage,
 )
 
-from rksc_engine.tools import inline_tool_calls
-from rksc_engine.tools import template_takes_tools as template_takes_tools  # re-exported, defined once there
-
-from .._common import check_chat_has_text
+from rksc_engine.structured.tools import inline_tool_calls
+from rksc_engine.structured.tools import template_takes_tools as template_takes_tools  # re-exported, defined once there
+from rksc_integrations._common import check_chat_has_text
 
 ENGINE_ROLES = ("system", "user", "assistant", "tool")
 

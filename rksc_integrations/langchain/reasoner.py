@@ -69,16 +69,15 @@ from langchain_core.runnables.config import patch_config
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig
-from rksc_engine.datasets import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
-from rksc_engine.early_stop import resolve_early_stop
-from rksc_engine.reasoning import EXTRACTORS, ReasoningResult
-from rksc_engine.verifier import CallableVerifier, Verifier, as_verifier
-
-from .._common import call_sampling_params, normalise_stop
-from .._engines import shared_engine
-from ._base import CACHE_EVENT, all_at_once
-from .messages import content_text
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import resolve_early_stop
+from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
+from rksc_engine.reasoning.self_consistency import EXTRACTORS, ReasoningResult
+from rksc_engine.reasoning.verifier import CallableVerifier, Verifier, as_verifier
+from rksc_integrations._common import call_sampling_params, normalise_stop
+from rksc_integrations._engines import shared_engine
+from rksc_integrations.langchain._base import CACHE_EVENT, all_at_once
+from rksc_integrations.langchain.messages import content_text
 
 VOTE_EVENT = "rksc_vote"
 CGEE_EVENT = "rksc_cgee"

@@ -4,8 +4,8 @@ LlamaIndex instrumentation, and self-consistency answering over one cached conte
 Requires ``llama-index-core`` (the ``llama-index`` extra); the engine itself never imports it.
 """
 
-from .branches import BranchDecision, RKSCBranchQueryEngine, normalise_answer
-from .events import (
+from rksc_integrations.llama_index.branches import BranchDecision, RKSCBranchQueryEngine, normalise_answer
+from rksc_integrations.llama_index.events import (
     RKSC_EVENT_TYPES,
     RKSCASKSReuseEvent,
     RKSCBranchVoteEvent,
@@ -15,7 +15,7 @@ from .events import (
     RKSCEarlyStopEvent,
     RKSCVerificationEvent,
 )
-from .llm import GENERATION_KWARGS, RKSCLLM
+from rksc_integrations.llama_index.llm import GENERATION_KWARGS, RKSCLLM
 
 __all__ = [
     "GENERATION_KWARGS",

@@ -4,7 +4,7 @@
 prefill, ``n`` sampled branches). Branch texts are compared by an answer key (default
 ``normalise_answer``: lower-cased, whitespace collapsed, surrounding punctuation removed) and voted
 with confidence weights. The vote then goes through the engine's CGEE pipeline
-(``rksc_engine.reasoning.verify_and_pick``): level 1 skips the verifier when the weighted winner's
+(``rksc_engine.reasoning.self_consistency.verify_and_pick``): level 1 skips the verifier when the weighted winner's
 share ``p >= tau_conf`` and its lead ``>= margin``; otherwise the verifier scores every voted answer
 (by default the engine judging itself, Yes/No, over the call's own prompt, with CGEE level 2 layer
 exit when ``CGEEConfig.exit_enabled``) and the answer with the largest ``share x score`` wins. The
@@ -32,13 +32,14 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import QueryBundle
 
-from rksc_engine.answers import majority_vote
-from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import SamplingParams
-from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
-from rksc_engine.reasoning import branch_answers, verify_and_pick
-from rksc_engine.types import Completion
-from rksc_engine.verifier import LLMJudgeVerifier, Verifier, as_verifier
+from rksc_engine.protocol import LocalEngine
+from rksc_engine.reasoning.answers import majority_vote
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
+from rksc_engine.reasoning.self_consistency import branch_answers, verify_and_pick
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier, Verifier, as_verifier
+from rksc_engine.results import Completion
 
 AnswerKey = Callable[[str], "str | None"]
 _SPACE = re.compile(r"\s+")
@@ -74,7 +75,7 @@ def normalise_answer(text: str) -> str | None:
     return key or None
 
 
-def make_verifier(engine: Any, verifier: Any) -> Verifier | None:
+def make_verifier(engine: LocalEngine, verifier: Any) -> Verifier | None:
     """The verifier of ``RKSCLLM(verifier=...)``: ``"judge"`` (the engine as a Yes/No judge over the
     prompt), a ``Verifier``, a callable ``fn(question, candidates) -> scores``, or None (vote only).
 

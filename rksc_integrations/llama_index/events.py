@@ -160,7 +160,7 @@ class RKSCASKSReuseEvent(BaseEvent):
     chunks were found cached, and whether that KV was reused (approximate) or recomputed.
 
     Built from ``Completion.asks``: an ``ASKSDecision`` or a ``ChunkReuseDecision``
-    (``rksc_engine.types``); ``detail["kind"]`` says which (``"realign"`` or ``"chunks"``).
+    (``rksc_engine.results``); ``detail["kind"]`` says which (``"realign"`` or ``"chunks"``).
 
     Attributes:
         reused: Whether the cached remainder's KV was reused.

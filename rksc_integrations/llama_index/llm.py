@@ -13,7 +13,7 @@ What differs, on purpose:
       questions) cheap; each call reports its reuse as an ``RKSCCacheReuseEvent`` and in the
       response's ``additional_kwargs``.
     * Async methods run the engine in a worker thread, so the event loop is never blocked.
-    * Tools (``chat(tools=...)``, ``chat_with_tools``, agents) go through ``rksc_engine.tools``: the
+    * Tools (``chat(tools=...)``, ``chat_with_tools``, agents) go through ``rksc_engine.structured.tools``: the
       template's ``tools=`` when it takes them, the ``<tool_call>`` system-prompt protocol otherwise.
       A call the model starts, or one that is required (``tool_required=True``), is decoded under
       the tool's schema, so its arguments are valid JSON of the right types even on a 135M model.
@@ -59,18 +59,17 @@ from llama_index.core.llms.llm import ToolSelection, default_completion_to_promp
 from llama_index.core.types import PydanticProgramMode
 
 from rksc_engine import Completion, RKSCEngine, SamplingParams
-from rksc_engine import tools as tool_protocol
-from rksc_engine.cgee import CGEEConfig
 from rksc_engine.config import ASKSConfig, EngineConfig
-from rksc_engine.constrained import ConstrainedResult, value_params
-from rksc_engine.early_stop import EarlyStopMonitor
-from rksc_engine.reasoning import submit_branches
-from rksc_engine.tools import ToolCall, ToolRequest
-
-from .._async import iterate_in_thread, run_in_thread
-from .._common import call_sampling_params, check_prompt_text, normalise_stop
-from .._engines import shared_engine
-from .branches import (
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import EarlyStopMonitor
+from rksc_engine.reasoning.self_consistency import submit_branches
+from rksc_engine.structured import tools as tool_protocol
+from rksc_engine.structured.constrained import ConstrainedResult, ToolCall, value_params
+from rksc_engine.structured.tools import ToolRequest
+from rksc_integrations._async import iterate_in_thread, run_in_thread
+from rksc_integrations._common import call_sampling_params, check_prompt_text, normalise_stop
+from rksc_integrations._engines import shared_engine
+from rksc_integrations.llama_index.branches import (
     AnswerKey,
     BranchCollector,
     BranchDecision,
@@ -80,7 +79,7 @@ from .branches import (
     make_verifier,
     normalise_answer,
 )
-from .events import (
+from rksc_integrations.llama_index.events import (
     RKSCASKSReuseEvent,
     RKSCBranchVoteEvent,
     RKSCCacheReuseEvent,
@@ -91,7 +90,7 @@ from .events import (
     dispatcher,
     emit,
 )
-from .messages import to_engine_messages, to_tool_call_blocks
+from rksc_integrations.llama_index.messages import to_engine_messages, to_tool_call_blocks
 
 if TYPE_CHECKING:
     from llama_index.core.prompts.base import BasePromptTemplate
@@ -377,7 +376,7 @@ class RKSCLLM(FunctionCallingLLM):
         return _Piece(completion.text, completion.text, completion, extra)
 
     def _constrained(self, prompt: _Prompt, params: SamplingParams) -> _Piece:
-        """A JSON answer or a forced tool call, decoded under its schema by ``rksc_engine.tools``
+        """A JSON answer or a forced tool call, decoded under its schema by ``rksc_engine.structured.tools``
         from the first token."""
         # An output schema wins over tools (a structured answer is asked for); else the forced call.
         tools = None if prompt.output_schema is not None else prompt.tools
@@ -394,7 +393,7 @@ class RKSCLLM(FunctionCallingLLM):
         return _Piece(delta, text, result.completion, extra, result.tool_calls)
 
     def _free_tool_turn(self, prompt: _Prompt, params: SamplingParams, completion: Completion) -> _Piece:
-        """A free generation with tools offered, finished by ``rksc_engine.tools.finish_tool_turn``
+        """A free generation with tools offered, finished by ``rksc_engine.structured.tools.finish_tool_turn``
         (a call it started is decoded under the schema; its text was streamed already)."""
         turn = tool_protocol.finish_tool_turn(
             self._engine, prompt.prompt, prompt.tools, completion, value_params(params, params.seed)
@@ -545,7 +544,7 @@ class RKSCLLM(FunctionCallingLLM):
     def structured_predict(
         self, output_cls: type, prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> Any:
-        """An ``output_cls`` instance decoded under its JSON schema (``rksc_engine.constrained.decode_json``).
+        """An ``output_cls`` instance decoded under its JSON schema (``rksc_engine.structured.constrained.decode_json``).
 
         With ``pydantic_program_mode`` other than DEFAULT, LlamaIndex's own program for that mode runs.
 
@@ -617,7 +616,7 @@ class RKSCLLM(FunctionCallingLLM):
 
 
 def _tool_schema(tool: Any) -> dict[str, Any]:
-    """A LlamaIndex tool (or a schema dict) as the function dict ``rksc_engine.tools`` takes."""
+    """A LlamaIndex tool (or a schema dict) as the function dict ``rksc_engine.structured.tools`` takes."""
     if isinstance(tool, dict):
         return tool_protocol.function_spec(tool)
     metadata = getattr(tool, "metadata", None)

@@ -3,7 +3,7 @@
 The engine renders ``{"role", "content"}`` dicts with the model's chat template; its roles are
 system/user/assistant/tool, so LlamaIndex's extra roles are folded onto those. An assistant
 message's calls (``ToolCallBlock``s, or OpenAI-shaped ``additional_kwargs["tool_calls"]`` from older
-agents) travel as ``tool_calls`` on its dict; ``rksc_engine.tools`` renders them for the template
+agents) travel as ``tool_calls`` on its dict; ``rksc_engine.structured.tools`` renders them for the template
 (natively, or as ``<tool_call>`` blocks in the text) together with the offered tools.
 """
 
@@ -14,10 +14,9 @@ from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
 
-from rksc_engine import tools as tool_protocol
-from rksc_engine.tools import ToolCall
-
-from .._common import check_chat_has_text
+from rksc_engine.structured import tools as tool_protocol
+from rksc_engine.structured.constrained import ToolCall
+from rksc_integrations._common import check_chat_has_text
 
 _ROLE_MAP = {
     MessageRole.SYSTEM: "system",
@@ -96,7 +95,7 @@ def to_tool_call_blocks(calls: Sequence[ToolCall]) -> list[ToolCallBlock]:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCallBlock]]:
-    """Split generated ``text`` into prose and ``ToolCallBlock``s (``rksc_engine.tools.parse_tool_calls``);
+    """Split generated ``text`` into prose and ``ToolCallBlock``s (``rksc_engine.structured.tools.parse_tool_calls``);
     a malformed block stays in the prose."""
     prose, calls = tool_protocol.parse_tool_calls(text)
     return prose, to_tool_call_blocks(calls)

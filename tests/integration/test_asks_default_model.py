@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.datasets import few_shot_messages, synthetic_problems
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.few_shot import few_shot_messages
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.datasets import few_shot_messages, synthetic_problems
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.few_shot import few_shot_messages
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,7 @@ def messages():
 def test_a_later_load_reads_the_converted_model_without_touching_the_gguf(engine, monkeypatch):
     # Reading the GGUF dequantises every tensor (~20 s); a later load must never take that path.
     # Asserted by construction, not by a wall-clock bound that a busy CI machine could break.
-    import rksc_engine.loading as loading
+    import rksc_engine.runtime.loading as loading
 
     converted = loading.default_model_dir()
     mtimes = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
@@ -63,7 +64,7 @@ def test_a_sampled_branch_on_the_default_model_is_the_same_alone_and_batched(eng
 
 def test_rksc_ask_prints_branch_answers_majority_and_cache_stats():
     out = subprocess.run(
-        [sys.executable, "-m", "rksc_engine.cli", "ask", "Tom has 3 bags with 4 apples each. How many apples?",
+        [sys.executable, "-m", "rksc_cli", "ask", "Tom has 3 bags with 4 apples each. How many apples?",
          "--branches", "3", "--max-new-tokens", "48", "--shots", "2"],
         capture_output=True, text=True, timeout=300,
     )

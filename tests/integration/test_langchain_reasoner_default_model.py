@@ -12,7 +12,8 @@ pytest.importorskip("langchain_core")
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableLambda  # noqa: E402
 
-from rksc_engine.datasets import SYSTEM_PROMPT, few_shot_messages, synthetic_problems  # noqa: E402
+from rksc_engine.evaluation.workloads import synthetic_problems  # noqa: E402
+from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, few_shot_messages
 from rksc_integrations.langchain import (  # noqa: E402
     CACHE_EVENT,
     CGEE_EVENT,

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig
-from rksc_engine.datasets import synthetic_problems
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_reason_on_the_default_model_returns_branches_votes_and_a_readable_repor
 
 
 def test_the_recorded_lens_on_the_default_model_replays_the_online_exit_and_ends_at_the_full_scores(engine):
-    from rksc_engine.cgee import lens_entropy, lens_exit_layer
+    from rksc_engine.reasoning.cgee import lens_entropy, lens_exit_layer
 
     recorder = LLMJudgeVerifier(engine, record_lens=True)
     full, trace = recorder.score_with_trace(PROBLEM.question, CANDIDATES, CGEEConfig.off())

@@ -5,7 +5,7 @@ import pytest
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.datasets import synthetic_problems
+from rksc_engine.evaluation.workloads import synthetic_problems
 
 pytestmark = pytest.mark.integration
 

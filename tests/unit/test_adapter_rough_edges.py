@@ -22,8 +22,9 @@ from llama_index.core.tools import FunctionTool  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 from rksc_engine import Completion, RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine.datasets import SYSTEM_PROMPT, few_shot_messages, synthetic_problems  # noqa: E402
-from rksc_engine.types import ASKSDecision  # noqa: E402
+from rksc_engine.evaluation.workloads import synthetic_problems  # noqa: E402
+from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, few_shot_messages
+from rksc_engine.results import ASKSDecision  # noqa: E402
 from rksc_integrations import _engines  # noqa: E402
 from rksc_integrations._common import tool_turn_content  # noqa: E402
 from rksc_integrations.langchain import CACHE_EVENT, ChatRKSC, MultiBranchReasoner, RKSCEventCollector  # noqa: E402
@@ -222,7 +223,7 @@ def test_a_tool_call_turn_never_echoes_the_tool_protocol_into_the_llama_index_me
 
 
 def test_a_streamed_tool_call_turn_ends_in_a_message_without_the_echo(engine, monkeypatch):
-    from rksc_engine.types import StreamChunk
+    from rksc_engine.results import StreamChunk
 
     llm = RKSCLLM(engine=engine, max_new_tokens=12)
     started = _started_call(engine, ECHO)

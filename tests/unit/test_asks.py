@@ -6,7 +6,7 @@ import torch
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.asks import (
+from rksc_engine.kvcache.asks import (
     align_after_prefix,
     candidate_sequences,
     kv_deviation,
@@ -17,7 +17,7 @@ from rksc_engine.asks import (
     run_first_layers,
     span_similarity,
 )
-from rksc_engine.prefix_cache import RadixPrefixCache
+from rksc_engine.kvcache.radix import RadixPrefixCache
 
 BODY = " and the same long shared body of text follows here, unchanged, for many tokens." * 2
 CACHED = "Hi Ann." + BODY + " Q1?"
@@ -169,7 +169,7 @@ def test_forced_reuse_skips_the_remainder_and_shifts_positions_exactly():
 def test_reuse_without_the_position_shift_would_change_the_output(monkeypatch):
     # The same one-layer setup, with re-rotation disabled: the output must differ, so the previous
     # test really checks the shift.
-    import rksc_engine.asks as asks_module
+    import rksc_engine.kvcache.asks as asks_module
 
     model, tokenizer = make_tiny_model(4, num_layers=1), make_char_tokenizer()
     monkeypatch.setattr(asks_module, "rerotate_keys", lambda keys, shift, rotary: keys)

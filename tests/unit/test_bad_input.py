@@ -17,8 +17,8 @@ from rksc_engine.config import (
     SEED_HEADROOM,
     check_branch_seeds,
 )
-from rksc_engine.datasets import synthetic_problems
-from rksc_engine.sampling import _top_p_drop_mask, filter_logits, make_generators, sample_rows
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.runtime.sampling import _top_p_drop_mask, filter_logits, make_generators, sample_rows
 
 PROMPT = "Q: what is 2+3?\nA:"
 
@@ -121,7 +121,7 @@ REASON_PARAMS = SamplingParams(temperature=0.7, max_new_tokens=4, seed=0)
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        ({"few_shot": "Q: 1+1? A: 2"}, TypeError, "few_shot must be a list of rksc_engine.datasets.Problem"),
+        ({"few_shot": "Q: 1+1? A: 2"}, TypeError, "few_shot must be a list of rksc_engine.reasoning.Problem"),
         ({"few_shot": [1, 2]}, TypeError, r"few_shot\[0\] is a int"),
         ({"few_shot": {"question": "q"}}, TypeError, "few_shot must be a list"),
         ({"n": 0}, ValueError, "n must be >= 1, got 0"),
@@ -165,7 +165,7 @@ SEARCH_PARAMS = SamplingParams(temperature=0.8, max_new_tokens=4, seed=0)
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        ({"few_shot": "worked examples"}, TypeError, "few_shot must be a list of rksc_engine.datasets.Problem"),
+        ({"few_shot": "worked examples"}, TypeError, "few_shot must be a list of rksc_engine.reasoning.Problem"),
         ({"few_shot": synthetic_problems(1, seed=1), "prompt": "Q: hi"}, ValueError, "pass few_shot or prompt"),
         ({"answer_extractor": 3.5}, TypeError, "answer_extractor"),
         ({"cgee": "off"}, TypeError, "cgee must be a CGEEConfig or None, got str"),

@@ -74,7 +74,7 @@ def test_the_multiple_choice_workload_and_a_prompt_ensemble_run_and_the_exact_ar
 # -- the difficulty ladder workload ---------------------------------------------------------------
 def test_the_ladder_workload_asks_the_ladders_questions_spread_evenly_over_its_levels():
     from rksc_bench.paper import load_problems
-    from rksc_engine.datasets import LadderProblem, ladder_problems, ladder_shots
+    from rksc_engine.evaluation.workloads import LadderProblem, ladder_problems, ladder_shots
 
     shots, questions = load_problems(BenchConfig(workload="ladder", questions=7, shots=2, levels=(1, 2, 4), seed=3))
     assert all(isinstance(q, LadderProblem) for q in questions)
@@ -143,7 +143,7 @@ def test_the_ladder_workload_runs_end_to_end_and_reports_each_level(tmp_path):
 
 
 def test_the_per_level_table_counts_each_arms_correct_and_skipped_answers():
-    from rksc_bench.paper import ArmRecord, BenchReport
+    from rksc_bench.report import ArmRecord, BenchReport
 
     def record(arm, q, level, answer, skipped):
         return ArmRecord(arm, q, 1.0, 10, answer, "7", level, verified=not skipped, skipped=skipped, level=level)

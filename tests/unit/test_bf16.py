@@ -11,7 +11,7 @@ import torch
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.loading import cpu_flags_have_bf16, cpu_supports_bf16, resolve_dtype
+from rksc_engine.runtime.loading import cpu_flags_have_bf16, cpu_supports_bf16, resolve_dtype
 
 CPU = torch.device("cpu")
 PROMPTS = ["The quick brown fox jumps over", "Q: what is 2+3?\nA:", "A much longer prompt, repeated. " * 6]
@@ -66,7 +66,7 @@ def test_bf16_greedy_decoding_through_the_shared_prefix_mostly_agrees_with_float
             got = bf16.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
             assert got[0] == want[0], f"bf16 changed even the first token for {prompt!r}"
             agreed, total = agreed + _first_divergence(got, want), total + len(want)
-        assert bf16._shared_prefix_probe.supported, "the shared-prefix path must accept bf16 models"
+        assert bf16.runner.shared_prefix_probe.supported, "the shared-prefix path must accept bf16 models"
     # Measured 178 / 216 (82%) on these models; a broken bf16 path agrees for a token or two.
     assert agreed / total >= 0.6, f"bf16 agreed with fp32 on only {agreed}/{total} greedy tokens"
 

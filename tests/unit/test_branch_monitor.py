@@ -9,7 +9,7 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.types import BranchControl
+from rksc_engine.results import BranchControl
 
 PARAMS = SamplingParams(temperature=0.9, max_new_tokens=16, seed=21)
 
@@ -174,13 +174,13 @@ class Counting:
 
 
 def test_out_of_memory_never_preempts_a_request_whose_monitor_has_seen_its_tokens(monkeypatch):
-    from rksc_engine.memory import ForwardOutOfMemoryError
+    from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
 
     engine = engine_for()
     params = SamplingParams(temperature=0.9, max_new_tokens=16, seed=2)
     want = [c.token_ids for c in engine.generate_branches("watched", 2, params)]
     engine.clear_cache()
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
     decodes = {"n": 0}
 
     def oom_once(input_ids, cache, **kwargs):
@@ -190,7 +190,7 @@ def test_out_of_memory_never_preempts_a_request_whose_monitor_has_seen_its_token
                 raise ForwardOutOfMemoryError("injected")
         return real_forward(input_ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", oom_once)
+    monkeypatch.setattr(engine.runner, "forward", oom_once)
     plain = engine.submit("plain", 1, SamplingParams(max_new_tokens=16))
     monitor = Counting()
     watched = engine.submit("watched", 2, params, monitor=monitor)  # the newest: still not the victim

@@ -9,13 +9,13 @@ import torch
 from conftest import RADIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
 from conftest import make_char_tokenizer, make_tiny_model, radix_kv
 
-import rksc_engine.prefix_cache as prefix_cache
-import rksc_engine.shared_prefix as shared_prefix
+import rksc_engine.kvcache.radix as prefix_cache
+import rksc_engine.kvcache.shared_prefix as shared_prefix
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.memory import run_with_oom_retry
-from rksc_engine.prefix_cache import RadixPrefixCache
-from rksc_engine.shared_prefix import BatchDecodeCache, SharedPrefixCache, SharedPrefixLayer
+from rksc_engine.kvcache.memory import run_with_oom_retry
+from rksc_engine.kvcache.radix import RadixPrefixCache
+from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, SharedPrefixLayer
 
 NUM_KV_HEADS, HEAD_DIM = 2, 4
 

@@ -10,9 +10,10 @@ import torch
 from conftest import CountingHooks, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig, wilson_interval
-from rksc_engine.reasoning import extract_choice_letter, regex_extractor
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.self_consistency import extract_choice_letter, regex_extractor
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
 NUM_LAYERS = 8
 QUESTION = "Tom has 3 apples and buys 4 more. How many?"
@@ -191,7 +192,7 @@ def test_wilson_interval_edges():
 
 # -- level 2 replayed offline, and calibrated ---------------------------------------------------
 def test_replaying_the_recorded_lens_gives_the_exit_layer_and_scores_the_online_pass_gives():
-    from rksc_engine.cgee import lens_entropy, lens_exit_layer
+    from rksc_engine.reasoning.cgee import lens_entropy, lens_exit_layer
 
     engine = make_engine(1)
     recorder = LLMJudgeVerifier(engine, record_lens=True)
@@ -217,7 +218,8 @@ def test_replaying_the_recorded_lens_gives_the_exit_layer_and_scores_the_online_
 def lens_record(full_answer, early, late, switch_layer, num_layers=8):
     """A two-candidate record whose lens says ``early`` (logits per candidate) before
     ``switch_layer`` and ``late`` from it on; the full pass (last layer) says ``late``."""
-    from rksc_engine.cgee import CalibrationRecord, VoteSummary
+    from rksc_engine.evaluation.calibration import CalibrationRecord
+    from rksc_engine.reasoning.cgee import VoteSummary
 
     lens = torch.tensor([early if layer < switch_layer else late for layer in range(num_layers)], dtype=torch.float32)
     return CalibrationRecord(VoteSummary((("a", 0.6), ("b", 0.4))), full_answer, lens)
@@ -228,7 +230,7 @@ B_RIGHT = [[-6.0, 6.0], [6.0, -6.0]]
 
 
 def test_calibrate_turns_level_2_on_with_the_earliest_exit_when_the_lens_settles_early_and_right():
-    from rksc_engine.cgee import calibrate
+    from rksc_engine.evaluation.calibration import calibrate
 
     records = [lens_record("a", A_RIGHT, A_RIGHT, 0)] * 30
     result = calibrate(records, target_error=0.05, tau_grid=(), bound="empirical", min_layer_grid=range(0, 6))
@@ -239,7 +241,7 @@ def test_calibrate_turns_level_2_on_with_the_earliest_exit_when_the_lens_settles
 
 
 def test_calibrate_delays_the_exit_past_a_lens_that_is_confidently_wrong_in_early_layers():
-    from rksc_engine.cgee import calibrate
+    from rksc_engine.evaluation.calibration import calibrate
 
     # In a third of the questions the early lens backs "a" with certainty, but the full pass picks "b";
     # exiting before layer 5 would get those wrong. min_layer 4 exits at layer 5, after the flip.
@@ -253,7 +255,7 @@ def test_calibrate_delays_the_exit_past_a_lens_that_is_confidently_wrong_in_earl
 
 
 def test_calibrate_keeps_level_2_off_when_the_checks_cost_more_than_the_layers_they_save():
-    from rksc_engine.cgee import calibrate
+    from rksc_engine.evaluation.calibration import calibrate
 
     records = [lens_record("a", A_RIGHT, A_RIGHT, 0)] * 30
     result = calibrate(records, target_error=0.05, tau_grid=(), bound="empirical", check_cost=4.0)
@@ -261,7 +263,8 @@ def test_calibrate_keeps_level_2_off_when_the_checks_cost_more_than_the_layers_t
 
 
 def test_calibrate_combines_a_skip_for_unanimous_votes_with_an_exit_for_the_rest():
-    from rksc_engine.cgee import CalibrationRecord, VoteSummary, calibrate
+    from rksc_engine.evaluation.calibration import CalibrationRecord, calibrate
+    from rksc_engine.reasoning.cgee import VoteSummary
 
     unanimous = [CalibrationRecord(VoteSummary((("a", 1.0),)), "a", torch.tensor([[[6.0, -6.0]]] * 8))] * 20
     split = [lens_record("b", A_RIGHT, B_RIGHT, 5)] * 20
@@ -274,7 +277,8 @@ def test_calibrate_combines_a_skip_for_unanimous_votes_with_an_exit_for_the_rest
 def test_calibrate_without_lens_data_turns_level_2_off_and_round_trips_records_through_json():
     import json
 
-    from rksc_engine.cgee import CalibrationRecord, VoteSummary, calibrate
+    from rksc_engine.evaluation.calibration import CalibrationRecord, calibrate
+    from rksc_engine.reasoning.cgee import VoteSummary
 
     base = CGEEConfig(exit_enabled=True)
     plain = [(VoteSummary((("7", 1.0),)), "7")] * 40
@@ -291,7 +295,7 @@ def test_calibrate_without_lens_data_turns_level_2_off_and_round_trips_records_t
 
 # -- the per-call estimate of the time saved ------------------------------------------------------
 def test_the_pass_estimate_of_time_saved_is_the_unrun_layers_at_the_measured_rate_minus_the_checks():
-    from rksc_engine.verifier import PassTrace
+    from rksc_engine.reasoning.verifier import PassTrace
 
     stopped = PassTrace(num_layers=6, layers_run=4, pass_s=0.4, check_s=0.04, prefill_s=0.1)
     assert stopped.time_saved_s == pytest.approx(0.09 * 2 - 0.04)
@@ -302,7 +306,7 @@ def test_the_pass_estimate_of_time_saved_is_the_unrun_layers_at_the_measured_rat
 
 
 def test_a_verified_call_reports_zero_saved_at_full_depth_a_loss_when_checks_never_exit_and_a_gain_when_they_do():
-    from rksc_engine.reasoning import BranchAnswer, verify_and_pick
+    from rksc_engine.reasoning.self_consistency import BranchAnswer, verify_and_pick
 
     engine = make_engine(0)
     judge = LLMJudgeVerifier(engine)
@@ -322,7 +326,7 @@ def test_a_verified_call_reports_zero_saved_at_full_depth_a_loss_when_checks_nev
 
 
 def test_a_skip_estimates_the_saving_from_the_verifiers_earlier_passes_and_says_unknown_before_any():
-    from rksc_engine.reasoning import BranchAnswer, verify_and_pick
+    from rksc_engine.reasoning.self_consistency import BranchAnswer, verify_and_pick
 
     engine = make_engine(0)
     judge = LLMJudgeVerifier(engine)

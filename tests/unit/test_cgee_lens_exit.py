@@ -12,9 +12,9 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig, lens_entropy, lens_exit_layer
-from rksc_engine.datasets import ladder_problems, ladder_shots
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.evaluation.workloads import ladder_problems, ladder_shots
+from rksc_engine.reasoning.cgee import CGEEConfig, lens_entropy, lens_exit_layer
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
 ROOT = Path(__file__).resolve().parents[2]
 

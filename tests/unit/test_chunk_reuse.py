@@ -8,10 +8,10 @@ import torch
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.chunk_reuse import segment_spans
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.rag_workload import fact_corpus, load_rag_jsonl, rag_messages, rag_queries
-from rksc_engine.types import ChunkReuseDecision
+from rksc_engine.evaluation.rag_facts import fact_corpus, load_rag_jsonl, rag_messages, rag_queries
+from rksc_engine.kvcache.chunk_reuse import segment_spans
+from rksc_engine.results import ChunkReuseDecision
 
 CHUNKS = [
     "Alpha facts: the river is long and wide and cold in the winter.",

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from rksc_cli.ask import main
 from rksc_engine import RKSCEngine
-from rksc_engine.cli import main
-from rksc_engine.early_stop import EarlyStopReport
+from rksc_engine.reasoning.early_stop import EarlyStopReport
 from tests.conftest import make_char_tokenizer, make_tiny_model
 
 ASK = ["ask", "What is 2+3?", "--branches", "4", "--shots", "0", "--max-new-tokens", "8", "--temperature", "1.0"]

@@ -1,4 +1,4 @@
-"""Early-stop rules (``rksc_engine.early_stop``) replayed on scripted branches, with no model.
+"""Early-stop rules (``rksc_engine.reasoning.early_stop``) replayed on scripted branches, with no model.
 
 ``replay`` stands in for the scheduler: every running branch advances one scripted token per step,
 the monitor sees the step's events (split, at random, into several ``observe`` calls as the
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-import rksc_engine.early_stop as early_stop
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import summarise_votes
-from rksc_engine.early_stop import (
+import rksc_engine.reasoning.early_stop as early_stop
+from rksc_engine.reasoning.answers import extract_gsm8k_answer
+from rksc_engine.reasoning.cgee import summarise_votes
+from rksc_engine.reasoning.early_stop import (
     GSM8K_SETTLED_PATTERN,
     AdaptiveConfig,
     AnsweredConfig,
@@ -33,7 +33,7 @@ from rksc_engine.early_stop import (
     lowest_window_mean,
     resolve_early_stop,
 )
-from rksc_engine.types import BranchEvent, Completion
+from rksc_engine.results import BranchEvent, Completion
 
 
 @dataclass
@@ -517,7 +517,7 @@ def test_all_lists_exactly_the_public_names():
 
 
 def test_the_length_rule_cuts_branches_past_factor_times_the_quartile_finish_and_they_leave_the_vote():
-    from rksc_engine.early_stop import LengthConfig
+    from rksc_engine.reasoning.early_stop import LengthConfig
 
     # Branch 0 finishes at 5 tokens: with 4 launched, the first quarter has finished, the reference is
     # 5 and factor 2 cuts any branch at its 11th token. Branch 1 ends at 9, branches 2 and 3 ramble.
@@ -533,7 +533,7 @@ def test_the_length_rule_cuts_branches_past_factor_times_the_quartile_finish_and
 
 
 def test_the_length_rule_waits_for_its_share_of_finished_branches():
-    from rksc_engine.early_stop import LengthConfig
+    from rksc_engine.reasoning.early_stop import LengthConfig
 
     scripts = [answer_script("1", [-0.1] * k) for k in (6, 7, 30, 30)]
     config = EarlyStopConfig(decided=False, length=LengthConfig(finished_fraction=0.5, factor=2.0))
@@ -544,7 +544,7 @@ def test_the_length_rule_waits_for_its_share_of_finished_branches():
 
 @pytest.mark.parametrize("field, value", [("finished_fraction", 0.0), ("finished_fraction", 1.5), ("factor", 1.0)])
 def test_length_config_errors_name_the_field(field, value):
-    from rksc_engine.early_stop import LengthConfig
+    from rksc_engine.reasoning.early_stop import LengthConfig
 
     with pytest.raises(ValueError, match=f"length.{field}"):
         LengthConfig(**{field: value})

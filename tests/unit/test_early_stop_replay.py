@@ -13,8 +13,8 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig
-from rksc_engine.early_stop import (
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import (
     AdaptiveConfig,
     AnsweredConfig,
     ConfidenceConfig,

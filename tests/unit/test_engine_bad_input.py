@@ -11,7 +11,7 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, RSBCMConfig, SamplingParams
 from rksc_engine.config import MAX_SEED
-from rksc_engine.shared_prefix import ProbeResult
+from rksc_engine.kvcache.shared_prefix import ProbeResult
 
 
 def make_engine(**config) -> RKSCEngine:
@@ -102,7 +102,7 @@ def test_an_oom_shrinks_the_budget_to_no_less_than_the_prompt_and_successes_rest
 
 
 def test_an_exception_in_the_shared_prefix_probe_is_retried_on_a_later_request(monkeypatch):
-    import rksc_engine.engine as engine_module
+    import rksc_engine.runtime.model_runner as engine_module
 
     engine = make_engine()
     calls = {"n": 0}
@@ -118,7 +118,7 @@ def test_an_exception_in_the_shared_prefix_probe_is_retried_on_a_later_request(m
     want = engine.generate("hello", SamplingParams(max_new_tokens=6)).token_ids  # plain path this time
     assert engine.stats().extra["shared_prefix_probe_errors"] == 1
     assert engine.generate("hello", SamplingParams(max_new_tokens=6)).token_ids == want
-    assert calls["n"] == 2 and engine._shared_prefix_probe.supported, "the probe was not retried"
+    assert calls["n"] == 2 and engine.runner.shared_prefix_probe.supported, "the probe was not retried"
 
 
 def test_a_logits_processor_failing_mid_decode_fails_its_request_only():

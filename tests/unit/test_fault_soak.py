@@ -25,9 +25,9 @@ from conftest import make_char_tokenizer, make_tiny_model, wait_until
 
 from rksc_engine import EngineConfig, RKSCEngine, RSBCMConfig, SamplingParams
 from rksc_engine.config import SchedulerConfig
-from rksc_engine.early_stop import EarlyStopConfig, EarlyStopMonitor
-from rksc_engine.memory import ForwardOutOfMemoryError
-from rksc_engine.requests import RequestCancelled
+from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
+from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor
+from rksc_engine.runtime.handle import RequestCancelled
 
 NUM_REQUESTS = 1000
 BUDGET_MB = 0.25
@@ -154,11 +154,11 @@ def reference(engine: RKSCEngine, job: dict) -> list:
 def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_cache_consistent():
     jobs = make_jobs()
     engine = make_engine()
-    scheduler = engine._scheduler
+    scheduler = engine.scheduler
     rng = random.Random(1)
     injected = {"with_others": 0, "alone": 0, "may_fail": 0}
     peak = {"bytes": 0}
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
 
     def faulty_forward(input_ids, cache, **kwargs):
         peak["bytes"] = max(peak["bytes"], engine.prefix_cache.total_bytes)
@@ -176,7 +176,7 @@ def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_c
             raise ForwardOutOfMemoryError("injected out-of-memory error")
         return real_forward(input_ids, cache, **kwargs)
 
-    engine._forward = faulty_forward
+    engine.runner.forward = faulty_forward
     baseline_threads = threading.active_count()
     results: dict[int, list | None] = {}
     oom_failures, collateral = [], []
@@ -191,7 +191,7 @@ def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_c
 
     with ThreadPoolExecutor(max_workers=12) as pool:
         list(pool.map(guarded, range(NUM_REQUESTS)))
-    engine._forward = real_forward
+    engine.runner.forward = real_forward
 
     assert not collateral, f"{len(collateral)} requests failed by another's fault, e.g. {collateral[:3]}"
     # An injected OOM fails requests only when nothing else could make room; a batched decode OOM

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_char_tokenizer, make_tiny_model
 
-from rksc_engine import EngineConfig, PrefixCacheConfig, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RKSCEngine, RSBCMConfig, SamplingParams
 
 PROMPTS = [
     "The quick brown fox jumps over",
@@ -26,7 +26,7 @@ def hf_greedy(model, tokenizer, prompt, max_new_tokens):
 @pytest.mark.parametrize("cache_enabled", [True, False])
 def test_greedy_generate_matches_transformers_generate(model_seed, cache_enabled):
     model, tokenizer = make_tiny_model(model_seed), make_char_tokenizer()
-    engine = RKSCEngine(model, tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(enabled=cache_enabled)))
+    engine = RKSCEngine(model, tokenizer, EngineConfig(rsbcm=RSBCMConfig(enabled=cache_enabled)))
     for prompt in PROMPTS:
         got = engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids
         want = hf_greedy(model, tokenizer, prompt, 24)

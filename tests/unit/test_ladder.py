@@ -13,30 +13,28 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.answers import extract_gsm8k_answer
-from rksc_engine.cgee import (
+from rksc_engine.evaluation.calibration import (
     CalibrationRecord,
-    CGEEConfig,
     QuestionOutcome,
-    VoteSummary,
     calibrate_accuracy,
     calibrate_split,
     split_outcomes,
     summarise_outcomes,
     wilson_interval,
 )
-from rksc_engine.datasets import (
+from rksc_engine.evaluation.workloads import (
     LADDER_NAMES,
     NAMES,
     LadderProblem,
-    Problem,
-    check_problems,
     ladder_problems,
     ladder_shots,
     solution_steps,
     synthetic_problems,
 )
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.reasoning.answers import extract_gsm8k_answer
+from rksc_engine.reasoning.cgee import CGEEConfig, VoteSummary
+from rksc_engine.reasoning.few_shot import Problem, check_problems
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
 ROOT = Path(__file__).resolve().parents[2]
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")

@@ -21,10 +21,11 @@ from langchain_core.runnables import RunnableLambda  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine.cgee import CGEEConfig  # noqa: E402
-from rksc_engine.datasets import SYSTEM_PROMPT, few_shot_messages, synthetic_problems  # noqa: E402
-from rksc_engine.early_stop import AnsweredConfig, EarlyStopConfig  # noqa: E402
-from rksc_engine.reasoning import ReasoningResult  # noqa: E402
+from rksc_engine.evaluation.workloads import synthetic_problems  # noqa: E402
+from rksc_engine.reasoning.cgee import CGEEConfig  # noqa: E402
+from rksc_engine.reasoning.early_stop import AnsweredConfig, EarlyStopConfig  # noqa: E402
+from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, few_shot_messages
+from rksc_engine.reasoning.self_consistency import ReasoningResult  # noqa: E402
 from rksc_integrations.langchain import (  # noqa: E402
     CACHE_EVENT,
     CGEE_EVENT,

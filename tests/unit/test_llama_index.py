@@ -27,7 +27,7 @@ from llama_index.core.tools import FunctionTool  # noqa: E402
 from llama_index.core.types import PydanticProgramMode  # noqa: E402
 
 from rksc_engine import Completion, RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine.cgee import CGEEConfig  # noqa: E402
+from rksc_engine.reasoning.cgee import CGEEConfig  # noqa: E402
 from rksc_integrations.llama_index import (  # noqa: E402
     RKSC_EVENT_TYPES,
     RKSCLLM,
@@ -441,7 +441,7 @@ def test_a_failing_verifier_surfaces_as_an_error_and_the_engine_stays_usable(llm
 
 @dataclasses.dataclass(frozen=True)
 class _Decision:
-    """Stands in for rksc_engine.types.ASKSDecision (same field names), so the test does not wait on it."""
+    """Stands in for rksc_engine.results.ASKSDecision (same field names), so the test does not wait on it."""
 
     reused: bool
     sigma: float

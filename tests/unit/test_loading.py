@@ -4,7 +4,8 @@ import importlib.util
 
 import pytest
 
-from rksc_engine import DefaultModelNotInstalled, RKSCEngine, loading
+from rksc_engine import DefaultModelNotInstalled, RKSCEngine
+from rksc_engine.runtime import loading
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch, tmp_path):

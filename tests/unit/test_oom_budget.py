@@ -9,8 +9,8 @@ from conftest import radix_kv
 
 from rksc_engine import EngineConfig, ForwardOutOfMemoryError, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.memory import is_out_of_memory, run_with_oom_retry
-from rksc_engine.prefix_cache import RadixPrefixCache
+from rksc_engine.kvcache.memory import is_out_of_memory, run_with_oom_retry
+from rksc_engine.kvcache.radix import RadixPrefixCache
 
 GIB = 1 << 30
 CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "

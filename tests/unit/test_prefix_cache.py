@@ -8,7 +8,7 @@ import torch
 from conftest import RADIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
 from conftest import radix_kv as kv_for
 
-from rksc_engine.prefix_cache import RadixPrefixCache, make_eviction_policy
+from rksc_engine.kvcache.radix import RadixPrefixCache, make_eviction_policy
 
 
 def make_cache(budget_tokens=1000, block_size=16, policy="lru"):

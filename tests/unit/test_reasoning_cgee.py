@@ -5,9 +5,10 @@ import torch
 from conftest import CountingHooks, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig, should_skip, summarise_votes, wilson_interval
-from rksc_engine.reasoning import extract_choice_letter, regex_extractor
-from rksc_engine.verifier import LLMJudgeVerifier
+from rksc_engine.evaluation.calibration import wilson_interval
+from rksc_engine.reasoning.cgee import CGEEConfig, should_skip, summarise_votes
+from rksc_engine.reasoning.self_consistency import extract_choice_letter, regex_extractor
+from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=0)
 
@@ -145,7 +146,8 @@ def test_wilson_interval_matches_the_papers_figure():
 
 
 def test_calibrate_picks_the_loosest_thresholds_that_meet_the_target():
-    from rksc_engine.cgee import VoteSummary, calibrate
+    from rksc_engine.evaluation.calibration import calibrate
+    from rksc_engine.reasoning.cgee import VoteSummary
 
     confident = [(VoteSummary((("7", 1.0),)), "7")] * 40           # unanimous and right
     shaky = [(VoteSummary((("3", 0.6), ("4", 0.4))), "4")] * 10     # a weak winner that full verification overturns
@@ -192,8 +194,8 @@ def test_engine_reason_uses_the_engines_cgee_config_when_the_call_passes_none():
 
 def test_a_bad_cgee_setting_names_the_field_and_a_bad_call_leaves_the_engine_and_cache_intact():
     from rksc_engine import EngineConfig
-    from rksc_engine import cgee as cgee_module
     from rksc_engine import config as config_module
+    from rksc_engine.reasoning import cgee as cgee_module
 
     assert cgee_module.CGEEConfig is config_module.CGEEConfig, "rksc_engine.cgee must re-export the one CGEEConfig"
     with pytest.raises(TypeError, match="cgee must be CGEEConfig"):
@@ -224,7 +226,7 @@ def test_the_default_judge_is_kept_per_engine_so_a_later_skip_can_estimate_its_s
 
 # -- multiple-choice questions ----------------------------------------------------------------------
 def test_synthetic_choice_problems_are_seeded_balanced_and_readable_by_the_choice_extractor():
-    from rksc_engine.datasets import synthetic_choice_problems
+    from rksc_engine.evaluation.workloads import synthetic_choice_problems
 
     problems = synthetic_choice_problems(60, seed=3)
     assert problems == synthetic_choice_problems(60, seed=3) and problems != synthetic_choice_problems(60, seed=4)
@@ -240,7 +242,7 @@ def test_synthetic_choice_problems_are_seeded_balanced_and_readable_by_the_choic
 def test_choice_jsonl_reads_lists_arc_style_dicts_and_numeric_labels(tmp_path):
     import json
 
-    from rksc_engine.datasets import jsonl_format, load_choice_jsonl, load_problems_jsonl
+    from rksc_engine.evaluation.workloads import jsonl_format, load_choice_jsonl, load_problems_jsonl
 
     rows = [
         {"question": "2+2?", "choices": ["3", "4", "5"], "answerKey": "B"},

@@ -8,8 +8,8 @@ import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import RKSCEngine, SamplingParams
-from rksc_engine.cgee import CGEEConfig
-from rksc_engine.early_stop import AdaptiveConfig, EarlyStopConfig
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import AdaptiveConfig, EarlyStopConfig
 
 PARAMS = SamplingParams(max_new_tokens=24, temperature=1.0, seed=0, stop=("a", "o"))
 

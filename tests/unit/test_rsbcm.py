@@ -6,10 +6,10 @@ import torch
 from conftest import RADIX_BYTES_PER_TOKEN as BYTES_PER_TOKEN
 from conftest import radix_kv as kv_for
 
-from rksc_engine import EngineConfig, ForwardOutOfMemoryError, PrefixCacheConfig, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, ForwardOutOfMemoryError, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.memory import cache_lengths, run_with_oom_retry
-from rksc_engine.prefix_cache import RadixPrefixCache
+from rksc_engine.kvcache.memory import cache_lengths, run_with_oom_retry
+from rksc_engine.kvcache.radix import RadixPrefixCache
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny model: 2 layers, K and V, 2 KV heads, head_dim 16, fp32
 
@@ -161,7 +161,7 @@ def _tiny_engine(model, tokenizer, budget_tokens=None, block_size=4, engine_kwar
 
 
 def test_a_request_whose_prefix_was_partly_evicted_matches_a_cold_run(tiny_model, tiny_tokenizer):
-    cold = RKSCEngine(tiny_model, tiny_tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)))
+    cold = RKSCEngine(tiny_model, tiny_tokenizer, EngineConfig(rsbcm=RSBCMConfig(enabled=False)))
     engine = _tiny_engine(tiny_model, tiny_tokenizer, budget_tokens=40, block_size=4)
     first, second = "The quick brown fox jumps over", "A lazy dog sleeps under the tree"
     probe = SamplingParams(max_new_tokens=1)  # prompt KV only, so the byte count is exact
@@ -201,7 +201,7 @@ class InjectOOM:
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
 @pytest.mark.parametrize("skip", [0, 3], ids=["in-prefill", "in-decode"])
 def test_an_oom_injected_once_is_survived_by_eviction_and_retry(tiny_model, tiny_tokenizer, error, skip, decode_attention):
-    reference = RKSCEngine(tiny_model, tiny_tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)))
+    reference = RKSCEngine(tiny_model, tiny_tokenizer, EngineConfig(rsbcm=RSBCMConfig(enabled=False)))
     # Both decode caches crop their layers back after a failed pass, so a decode step is retried too.
     engine = _tiny_engine(tiny_model, tiny_tokenizer, oom_backoff_s=0,
                           engine_kwargs={"decode_attention": decode_attention})

@@ -5,8 +5,9 @@ over the fully sorted vocabulary."""
 import pytest
 import torch
 
-from rksc_engine import SamplingParams, sampling
-from rksc_engine.sampling import filter_logits, make_generators, sample_rows
+from rksc_engine import SamplingParams
+from rksc_engine.runtime import sampling
+from rksc_engine.runtime.sampling import filter_logits, make_generators, sample_rows
 
 
 def _full_sort_top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:

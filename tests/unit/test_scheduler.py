@@ -12,7 +12,7 @@ from conftest import make_char_tokenizer, make_tiny_model, wait_until
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
-from rksc_engine.requests import RequestCancelled
+from rksc_engine.runtime.handle import RequestCancelled
 
 PROMPTS = [
     "The quick brown fox jumps over",
@@ -50,7 +50,7 @@ def test_concurrent_requests_of_different_lengths_get_the_tokens_they_get_alone(
     handles = [engine.submit(p, n, params) for p, n, params in jobs]  # all queued before any runs
     got = [[c.token_ids for c in h.result()] for h in handles]
     assert got == want, "a request's tokens changed when it shared its batch with other requests"
-    assert engine._scheduler.peak_batch_rows > 3, "the requests were not decoded together"
+    assert engine.scheduler.peak_batch_rows > 3, "the requests were not decoded together"
 
 
 def test_greedy_requests_batched_together_equal_transformers_generate():
@@ -65,9 +65,9 @@ def test_generate_many_submits_every_prompt_at_once_and_matches_serial_generatio
     params = SamplingParams(max_new_tokens=12)
     serial = [engine.generate(p, params).token_ids for p in PROMPTS]
     engine.clear_cache()
-    engine._scheduler.peak_batch_rows = 0
+    engine.scheduler.peak_batch_rows = 0
     assert [c.token_ids for c in engine.generate_many(PROMPTS, params)] == serial
-    assert engine._scheduler.peak_batch_rows >= 2
+    assert engine.scheduler.peak_batch_rows >= 2
 
 
 def test_max_batch_rows_bounds_the_batch_and_queued_requests_still_finish():
@@ -76,7 +76,7 @@ def test_max_batch_rows_bounds_the_batch_and_queued_requests_still_finish():
     want = [alone(engine, p, 2, params) for p in PROMPTS]
     handles = [engine.submit(p, 2, params) for p in PROMPTS]
     assert [[c.token_ids for c in h.result()] for h in handles] == want
-    assert engine._scheduler.peak_batch_rows <= 3
+    assert engine.scheduler.peak_batch_rows <= 3
 
 
 def test_a_request_wider_than_the_batch_limit_runs_alone():
@@ -98,7 +98,7 @@ def test_a_stream_read_in_one_thread_and_closed_in_another_cancels_it_and_the_en
     assert engine.generate("x", SamplingParams(max_new_tokens=4)).token_ids == hf_greedy(engine, "x", 4)
     engine.stats()
     # The close is seen at the scheduler's next step; poll a bounded while (order, not speed).
-    assert wait_until(lambda: engine._scheduler.num_running_rows == 0, timeout_s=60), "the closed stream kept decoding"
+    assert wait_until(lambda: engine.scheduler.num_running_rows == 0, timeout_s=60), "the closed stream kept decoding"
 
 
 def test_a_dropped_stream_is_cancelled_and_frees_its_rows():
@@ -108,7 +108,7 @@ def test_a_dropped_stream_is_cancelled_and_frees_its_rows():
     del stream
     gc.collect()
     engine.generate("x", SamplingParams(max_new_tokens=2))
-    assert wait_until(lambda: engine._scheduler.num_running_rows == 0, timeout_s=60), "the dropped stream kept decoding"
+    assert wait_until(lambda: engine.scheduler.num_running_rows == 0, timeout_s=60), "the dropped stream kept decoding"
 
 
 def test_a_stalled_stream_consumer_does_not_hold_up_other_requests():
@@ -212,7 +212,7 @@ def test_submit_rejects_bad_input_before_anything_is_queued():
         engine.submit("hello", 1, None, logits_processor=3)
     with pytest.raises(ValueError, match="n must be"):
         engine.submit("hello", 0)
-    assert engine._scheduler.num_waiting == 0
+    assert engine.scheduler.num_waiting == 0
     assert engine.stats().requests == before.requests
 
 
@@ -247,8 +247,9 @@ def test_out_of_memory_in_a_shared_decode_step_preempts_the_newest_request_which
         assert tuple(delivered) == want[0][branch]
         assert "".join(c.text for c in chunks if c.branch_index == branch) == finals[branch].completion.text
     assert got == want[1:], "a preempted request did not recompute the same tokens"
-    assert engine._scheduler.num_preemptions >= 2  # the stream, after delivering its first tokens, then more
-    assert engine.stats().running_requests == 0
+    assert engine.scheduler.num_preemptions >= 2  # the stream, after delivering its first tokens, then more
+    with engine.exclusive():  # after the last step has let go of the engine
+        assert engine.stats().running_requests == 0
     engine.prefix_cache.check_consistency()
 
 
@@ -281,11 +282,11 @@ def test_a_stalled_stream_does_not_delay_another_request_by_a_single_step():
         seen: list[int] = []
 
         def record_step(_prefixes, logits):
-            seen.append(engine._scheduler.num_steps)
+            seen.append(engine.scheduler.num_steps)
             return logits
 
         with engine.exclusive():  # no step runs between reading the counter and queueing the request
-            submitted_at = engine._scheduler.num_steps
+            submitted_at = engine.scheduler.num_steps
             handle = engine.submit("abc", 1, params, logits_processor=record_step)
         handle.result()
         return seen[0] - submitted_at, seen[-1] - seen[0]
@@ -324,13 +325,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_request_keeps_decodi
     with engine.exclusive():
         short = engine.submit("hi", 1, SamplingParams(max_new_tokens=30))
         long = engine.submit(long_prompt, 1, greedy)
-        steps_before = engine._scheduler.num_steps
+        steps_before = engine.scheduler.num_steps
     got_short, got_long = short.result()[0], long.result()[0]
     assert got_long.token_ids == want_long, "chunked prefill changed the greedy tokens"
     assert got_short.token_ids == want_short
     stats = engine.stats()
     assert stats.prompt_tokens_computed == len(engine.encode(long_prompt)) + len(engine.encode("hi"))
-    assert engine._scheduler.num_steps - steps_before >= 10  # one chunk per step, decode in between
+    assert engine.scheduler.num_steps - steps_before >= 10  # one chunk per step, decode in between
     assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes())
 
 
@@ -340,10 +341,10 @@ def test_cancelling_a_request_mid_prefill_unlocks_its_cached_prefix():
     engine.generate(prompt[:40], SamplingParams(max_new_tokens=1))  # cache an opening it will match
     with engine.exclusive():
         handle = engine.submit(prompt, 1, SamplingParams(max_new_tokens=4))
-        engine._scheduler.step()  # admitted: the first chunk ran, the matched prefix is locked
-        assert engine._scheduler._prefilling
+        engine.scheduler.step()  # admitted: the first chunk ran, the matched prefix is locked
+        assert engine.scheduler._prefilling
         handle.cancel()
-        engine._scheduler.step()
+        engine.scheduler.step()
     with pytest.raises(RequestCancelled):
         handle.result(timeout=10)
     assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes()), "a cancelled prefill kept its lock"

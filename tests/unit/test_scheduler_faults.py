@@ -11,8 +11,8 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
-from rksc_engine.memory import ForwardOutOfMemoryError
-from rksc_engine.requests import RequestCancelled
+from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
+from rksc_engine.runtime.handle import RequestCancelled
 
 GREEDY = SamplingParams(max_new_tokens=12)
 SAMPLED = SamplingParams(temperature=0.9, max_new_tokens=12, seed=5)
@@ -145,7 +145,7 @@ def test_ctrl_c_while_waiting_cancels_the_request_and_the_next_call_is_exact(mon
     engine = engine_for()
     want = engine.generate("exact after", GREEDY).token_ids
     engine.clear_cache()
-    scheduler = engine._scheduler
+    scheduler = engine.scheduler
     real_wait = scheduler.wait_for
     interrupted = {"n": 0}
 
@@ -160,7 +160,8 @@ def test_ctrl_c_while_waiting_cancels_the_request_and_the_next_call_is_exact(mon
         engine.generate("interrupted", SamplingParams(max_new_tokens=200))
     monkeypatch.setattr(scheduler, "wait_for", real_wait)
     assert engine.generate("exact after", GREEDY).token_ids == want
-    assert engine.stats().running_requests == 0
+    with engine.exclusive():  # after the last step has let go of the engine
+        assert engine.stats().running_requests == 0
 
 
 def test_leaving_a_for_loop_over_a_handle_cancels_the_request():
@@ -171,7 +172,8 @@ def test_leaving_a_for_loop_over_a_handle_cancels_the_request():
     assert handle.cancelled, "breaking out of the loop left the request running"
     with pytest.raises(RequestCancelled):
         handle.result(timeout=120)
-    assert engine.stats().running_requests == 0
+    with engine.exclusive():  # the step that failed it may still hold the engine: wait, then read fresh
+        assert engine.stats().running_requests == 0
 
 
 def test_stats_answer_while_another_thread_holds_the_engine():
@@ -228,15 +230,15 @@ def test_a_step_never_prefills_more_than_its_token_budget(monkeypatch):
     engine = engine_for(scheduler=SchedulerConfig(max_prefill_tokens=budget))
     engine.generate("w", GREEDY)  # the one-off shared-prefix probe runs its own forwards: not prefill
     per_step: dict[int, int] = {}
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
 
     def counting(input_ids, cache, **kwargs):
         if input_ids.shape[1] > 1 or "logits_to_keep" in kwargs:  # a prefill pass
-            step = engine._scheduler.num_steps
+            step = engine.scheduler.num_steps
             per_step[step] = per_step.get(step, 0) + input_ids.shape[1]
         return real_forward(input_ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", counting)
+    monkeypatch.setattr(engine.runner, "forward", counting)
     prompts = ["a long prompt number one, long enough", "another prompt, also long enough to chunk",
                "and a third that needs chunks too"]
     handles = [engine.submit(p, 1, GREEDY) for p in prompts]
@@ -251,7 +253,7 @@ def test_out_of_memory_in_a_prefill_requeues_it_while_others_run_and_both_stay_e
     want_long = tokens(engine.generate_branches("running request", 2, SAMPLED))
     want_new = engine.generate("late arrival", GREEDY).token_ids
     engine.clear_cache()
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
     late_ids = engine.encode("late arrival")
     injected = {"n": 0}
 
@@ -261,7 +263,7 @@ def test_out_of_memory_in_a_prefill_requeues_it_while_others_run_and_both_stay_e
             raise ForwardOutOfMemoryError("injected: no room for this prefill")
         return real_forward(input_ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", oom_on_late_prefill)
+    monkeypatch.setattr(engine.runner, "forward", oom_on_late_prefill)
     gate = Gate()
     running = engine.submit("running request", 2, SAMPLED, logits_processor=gate)
     assert gate.entered.wait(60)
@@ -275,7 +277,7 @@ def test_out_of_memory_in_a_prefill_requeues_it_while_others_run_and_both_stay_e
 
 def test_out_of_memory_in_a_lone_prefill_fails_that_request_and_the_engine_goes_on(monkeypatch):
     engine = engine_for()
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
     armed = {"on": True}
 
     def oom(input_ids, cache, **kwargs):
@@ -283,7 +285,7 @@ def test_out_of_memory_in_a_lone_prefill_fails_that_request_and_the_engine_goes_
             raise ForwardOutOfMemoryError("injected")
         return real_forward(input_ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", oom)
+    monkeypatch.setattr(engine.runner, "forward", oom)
     with pytest.raises(ForwardOutOfMemoryError):
         engine.generate("nothing else could make room", GREEDY)
     armed["on"] = False
@@ -297,7 +299,7 @@ def test_out_of_memory_in_decode_preempts_the_newest_request_on_either_decode_pa
     jobs = [("first request", 2, SAMPLED), ("second request", 1, GREEDY)]
     want = [tokens(engine.generate_branches(p, n, params)) for p, n, params in jobs]
     engine.clear_cache()
-    real_forward = engine._forward
+    real_forward = engine.runner.forward
     decodes = {"n": 0}
 
     def oom_once_in_decode(input_ids, cache, **kwargs):
@@ -307,7 +309,7 @@ def test_out_of_memory_in_decode_preempts_the_newest_request_on_either_decode_pa
                 raise ForwardOutOfMemoryError("injected decode OOM")
         return real_forward(input_ids, cache, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", oom_once_in_decode)
+    monkeypatch.setattr(engine.runner, "forward", oom_once_in_decode)
     handles = [engine.submit(p, n, params) for p, n, params in jobs]
     assert [tokens(h.result(timeout=120)) for h in handles] == want
     assert engine.stats().extra.get("preemptions", 0) == 1

@@ -10,7 +10,7 @@ import threading
 from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, RSBCMConfig, SamplingParams
-from rksc_engine.requests import RequestCancelled
+from rksc_engine.runtime.handle import RequestCancelled
 
 NUM_REQUESTS = 520
 BUDGET_MB = 0.25  # a few thousand tokens of the tiny model's KV: eviction is constant

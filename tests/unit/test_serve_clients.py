@@ -24,7 +24,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, Field  # noqa: E402
 
 from rksc_engine import RKSCEngine, SamplingParams  # noqa: E402
-from rksc_engine import tools as T  # noqa: E402
+from rksc_engine.structured import tools as T  # noqa: E402
 from rksc_serve.app import create_app  # noqa: E402
 from tests.conftest import make_char_tokenizer, make_tiny_model, serving  # noqa: E402
 from tests.unit.tool_models import Add  # noqa: E402

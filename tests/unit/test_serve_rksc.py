@@ -20,10 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from rksc_engine import CGEEConfig, EngineConfig, RemoteEngine, RKSCEngine  # noqa: E402
 from rksc_engine.config import MAX_SEED  # noqa: E402
-from rksc_engine.datasets import Problem, few_shot_messages  # noqa: E402
-from rksc_engine.early_stop import ConfidenceConfig, EarlyStopConfig  # noqa: E402
-from rksc_engine.reasoning import DEFAULT_REASON_PARAMS  # noqa: E402
-from rksc_engine.tree_search import DEFAULT_SEARCH_PARAMS  # noqa: E402
+from rksc_engine.reasoning.early_stop import ConfidenceConfig, EarlyStopConfig, LengthConfig  # noqa: E402
+from rksc_engine.reasoning.few_shot import (
+    Problem,
+    few_shot_messages,  # noqa: E402
+)
+from rksc_engine.reasoning.self_consistency import DEFAULT_REASON_PARAMS  # noqa: E402
+from rksc_engine.reasoning.tree_search import DEFAULT_SEARCH_PARAMS  # noqa: E402
 from rksc_serve.app import create_app  # noqa: E402
 from tests.conftest import make_char_tokenizer, make_tiny_model, serving, wait_until  # noqa: E402
 
@@ -120,6 +123,7 @@ def test_a_tree_search_request_answers_what_engine_tree_search_answers(client, e
         [(n.index, n.parent, n.depth, n.text, n.status, n.is_final) for n in expected.nodes], "served tree differs"
     assert [n["branch_score"] for n in body["nodes"]] == pytest.approx([n.branch_score for n in expected.nodes],
                                                                         abs=1e-5)
+    assert expected.early_stop is None and body["early_stop"] is None, "early_stop left out must stay off"
 
 
 # -- early stop ------------------------------------------------------------------------------------
@@ -159,6 +163,49 @@ def test_early_stop_reaches_the_engine_and_the_answer_carries_its_report(client,
         assert all(branches[s["branch_index"]]["finish_reason"] == "cancelled" for s in stopped)
         assert not any(branches[s["branch_index"]]["voted"] for s in stopped), "a branch below the threshold voted"
         assert body["early_stop"]["confidence_threshold"] is not None
+
+
+# The tiny model rarely writes a newline, so with "\n" every step runs to max_tokens and all are the
+# same length; "3" is one of its common characters, so steps end at different lengths and the length
+# rule has something to cut.
+STEPS = {"breadth": 4, "depth": 2, "beam": 2, "temperature": 1.0, "max_tokens": 24, "seed": 0,
+         "step_delimiter": "3"}
+TIGHT_LENGTH = {"finished_fraction": 0.25, "factor": 1.01}
+SEARCH_EARLY_STOP_CASES = [
+    (None, None),
+    ("length", "length"),
+    ("confidence", "confidence"),
+    ({"decided": True, "length": TIGHT_LENGTH},  # decided is ignored, as the engine ignores it
+     EarlyStopConfig(decided=False, length=LengthConfig(**TIGHT_LENGTH))),
+]
+
+
+@pytest.mark.parametrize(("served", "engine_early_stop"), SEARCH_EARLY_STOP_CASES,
+                         ids=["null", "length", "confidence", "object"])
+def test_a_tree_searchs_early_stop_reaches_the_engine_and_the_answer_carries_its_totals(
+        client, engine, served, engine_early_stop):
+    params = replace(DEFAULT_SEARCH_PARAMS, temperature=1.0, max_new_tokens=24, seed=0)
+    expected = engine.tree_search(QUESTION, breadth=4, depth=2, beam=2, step_delimiter="3", params=params,
+                                  early_stop=engine_early_stop)
+    response = search(client, **STEPS, early_stop=served)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [(n["index"], n["parent"], n["text"], n["status"]) for n in body["nodes"]] == \
+        [(n.index, n.parent, n.text, n.status) for n in expected.nodes], "served tree differs"
+    assert body["answer"] == expected.answer and body["text"] == expected.text
+    if engine_early_stop is None:
+        assert body["early_stop"] is None, "early_stop null must search without a monitor"
+        assert all(n["status"] != "stopped" for n in body["nodes"])
+        return
+    assert body["early_stop"] == expected.early_stop, "the served totals differ from the engine's"
+    assert isinstance(body["early_stop"], dict) and body["early_stop"]["children_launched"] == 8
+    rules = ["confidence"] if served == "confidence" else ["length"]
+    assert body["early_stop"]["rules"] == rules
+    stopped = [n for n in body["nodes"] if n["status"] == "stopped"]
+    assert stopped and len(stopped) == body["early_stop"]["children_stopped"], body["early_stop"]
+    best = body["best_node"]
+    assert all(n["index"] != best and not any(m["parent"] == n["index"] for m in body["nodes"]) for n in stopped), \
+        "a stopped child was chosen or expanded"
 
 
 # -- bad requests ----------------------------------------------------------------------------------
@@ -222,6 +269,17 @@ BAD_SEARCH = [
     ({"n": 2}, "n"),
     ({"breadth": 2, "temperature": 0}, "breadth"),  # the engine's own check: greedy siblings are all alike
     ({"breadth": 2, "depth": 1, "seed": MAX_SEED}, "seed"),  # the engine's own check: child seeds overflow
+    ({"early_stop": "sometimes"}, "early_stop"),
+    ({"early_stop": "answered"}, "early_stop"),  # a vote rule: children are scored, not voted
+    ({"early_stop": "decided"}, "early_stop"),
+    ({"early_stop": 3}, "early_stop"),
+    ({"early_stop": {"decided": True}}, "early_stop"),  # no rule that applies to a tree's children
+    ({"early_stop": {}}, "early_stop"),
+    ({"early_stop": {"adaptive": {}}}, "early_stop.adaptive"),
+    ({"early_stop": {"length": {}, "answered": {}}}, "early_stop.answered"),
+    ({"early_stop": {"lenght": {}}}, "early_stop.lenght"),
+    ({"early_stop": {"length": {"factor": 1}}}, "early_stop.length.factor"),
+    ({"early_stop": {"confidence": {"percentile": 101}}}, "early_stop.confidence.percentile"),
 ]
 
 

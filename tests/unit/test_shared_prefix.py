@@ -8,7 +8,7 @@ from conftest import make_char_tokenizer, make_tiny_model
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.shared_prefix import (
+from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
     SharedPrefixCache,
     attention_implementation,
@@ -120,7 +120,7 @@ def test_branches_through_the_shared_prefix_equal_the_dynamic_cache_path_token_f
 
 
 def test_a_generation_that_outgrows_the_preallocated_suffix_still_matches_the_dynamic_cache_path(monkeypatch):
-    import rksc_engine.shared_prefix as shared_prefix
+    import rksc_engine.kvcache.shared_prefix as shared_prefix
 
     monkeypatch.setattr(shared_prefix, "MAX_INITIAL_SUFFIX_CAPACITY", 3)  # force several doublings
     new, old = _engines(1)
@@ -135,7 +135,7 @@ def test_the_models_attention_implementation_is_restored_after_decoding(tiny_mod
     before = tiny_model.config._attn_implementation
     engine = RKSCEngine(tiny_model, tiny_tokenizer)
     engine.generate_branches("abc", 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    assert engine._shared_prefix_probe.supported
+    assert engine.runner.shared_prefix_probe.supported
     assert tiny_model.config._attn_implementation == before
     with pytest.raises(RuntimeError):
         with attention_implementation(tiny_model, ATTENTION_NAME):
@@ -165,8 +165,8 @@ def test_a_sliding_window_model_falls_back_to_the_dynamic_cache_path_and_stays_e
     engine = RKSCEngine(model, tiny_tokenizer)  # decode_attention="auto"
     prompt = "a prompt longer than the eight-token window"
     got = engine.generate(prompt, SamplingParams(max_new_tokens=16))
-    assert not engine._shared_prefix_probe.supported
-    assert "sliding" in engine._shared_prefix_probe.reason
+    assert not engine.runner.shared_prefix_probe.supported
+    assert "sliding" in engine.runner.shared_prefix_probe.reason
     ids = torch.tensor([tiny_tokenizer(prompt)["input_ids"]])
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     assert got.token_ids == tuple(want[0, ids.shape[1]:].tolist())
@@ -229,5 +229,5 @@ def test_a_prefill_cache_that_cannot_be_shared_decodes_through_the_plain_path(ti
     layers = [(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)) for _ in range(2)]  # batch 2: not a prefill
     cache = DynamicCache(ddp_cache_data=layers, config=tiny_engine.model.config)
     assert not SharedPrefixCache.can_share(cache)
-    decode_cache = tiny_engine._scheduler._decode_cache(cache, 1, 8, shared_prefix=True)
+    decode_cache = tiny_engine.scheduler._decode_cache(cache, 1, 8, shared_prefix=True)
     assert decode_cache is cache

@@ -1,18 +1,22 @@
-"""rksc_engine.tools, .constrained and .json_schema on the tiny seeded model: the tool protocol both
-ways, parsing, token masks, calls / JSON decoded under their schema, and the schema checks."""
+"""rksc_engine.structured (tools, constrained, json_schema) on the tiny seeded model: the tool
+protocol both ways, parsing, token masks, calls / JSON decoded under their schema, and the schema
+checks."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from rksc_engine import Completion, RKSCEngine, SamplingParams, json_schema
-from rksc_engine import constrained as C
-from rksc_engine import tools as T
+from rksc_engine import Completion, RKSCEngine, SamplingParams
+from rksc_engine.structured import constrained as C
+from rksc_engine.structured import json_schema
+from rksc_engine.structured import tools as T
 from tests.conftest import make_char_tokenizer
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -181,7 +185,7 @@ def test_a_forced_call_has_arguments_of_every_schema_type(tiny_engine):
     [call] = result.tool_calls
     assert call.name == "pick" and result.finish_reason == "tool_calls"
     assert call.arguments["colour"] in ("red", "green", "blue") and isinstance(call.arguments["bright"], bool)
-    assert 1 <= len(call.arguments["sizes"]) <= C.MAX_ITEMS and all(1 <= s <= 9 for s in call.arguments["sizes"])
+    assert 1 <= len(call.arguments["sizes"]) <= json_schema.MAX_ITEMS and all(1 <= s <= 9 for s in call.arguments["sizes"])
     assert result.completion.num_prompt_tokens == len(ids) and result.num_generated_tokens > 0
 
 
@@ -218,16 +222,31 @@ def test_json_answers_resolve_references_and_json_mode_chooses_its_own_keys(tiny
 
 
 def test_the_tools_module_imports_neither_langchain_nor_llama_index():
-    code = ("import sys, rksc_engine.tools, rksc_engine.constrained, rksc_engine.json_schema; "
-            "sys.exit(any(m.split('.')[0] in ('langchain_core', 'llama_index') for m in sys.modules))")
+    code = ("import sys, rksc_engine.structured.tools, rksc_engine.structured.constrained, "
+            "rksc_engine.structured.json_schema; sys.exit(any(m.split('.')[0] in ('langchain_core', 'llama_index') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_the_decoder_and_schema_check_names_are_still_importable_from_tools():
-    for module in (C, json_schema):
+def sibling_imports(module) -> set[str]:
+    """The ``rksc_engine.structured`` modules that ``module`` imports (relative ``from .x import``)."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+
+
+def test_the_structured_modules_import_one_way_and_define_each_public_name_once():
+    # json_schema <- constrained <- tools: the schema check needs neither, the decoder only the
+    # schema check's limits, the protocol the decoder; nothing imports back up.
+    assert sibling_imports(json_schema) == set()
+    assert sibling_imports(C) == {"json_schema"}
+    assert sibling_imports(T) == {"constrained"}
+    exported = [name for module in (json_schema, C, T) for name in module.__all__]
+    assert len(exported) == len(set(exported)), "a public name is listed by two structured modules"
+    for module in (json_schema, C, T):
         for name in module.__all__:
-            assert name in T.__all__ and getattr(T, name) is getattr(module, name), f"rksc_engine.tools.{name}"
-    assert all(hasattr(T, name) for name in T.__all__)
+            value = getattr(module, name)
+            home = getattr(value, "__module__", module.__name__)
+            assert home == module.__name__, f"{module.__name__}.{name} is defined in {home}"
 
 
 # -- what the decoder honours ---------------------------------------------------------------------

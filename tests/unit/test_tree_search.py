@@ -4,7 +4,7 @@ cache is told each step's score and depth."""
 
 import pytest
 
-from rksc_engine import EngineConfig, PrefixCacheConfig, RKSCEngine, SamplingParams, SearchResult
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SearchResult
 from rksc_engine.config import RSBCMConfig
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
@@ -14,8 +14,7 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
 
 def make_engine(model, tokenizer, budget_tokens=None, policy="omega", enabled=True):
     budget_mb = 64.0 if budget_tokens is None else budget_tokens * TINY_BYTES_PER_TOKEN / 2**20
-    config = EngineConfig(prefix_cache=PrefixCacheConfig(enabled=enabled),
-                          rsbcm=RSBCMConfig(cache_budget_mb=budget_mb, block_size=4, policy=policy))
+    config = EngineConfig(rsbcm=RSBCMConfig(cache_budget_mb=budget_mb, block_size=4, policy=policy, enabled=enabled))
     return RKSCEngine(model, tokenizer, config)
 
 

@@ -40,6 +40,17 @@ def test_invalid_engine_config_names_the_field():
         RSBCMConfig(cache_budget_mb=0)
     with pytest.raises(TypeError, match="prefix_cache"):
         EngineConfig(prefix_cache={"enabled": True})
+    with pytest.raises(TypeError, match="rsbcm.enabled"):
+        RSBCMConfig(enabled="no")
+
+
+def test_the_deprecated_prefix_cache_switch_folds_into_the_one_cache_config():
+    from rksc_engine import PrefixCacheConfig
+
+    with pytest.warns(DeprecationWarning, match="rsbcm=RSBCMConfig"):
+        config = EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False), rsbcm=RSBCMConfig(cache_budget_mb=8))
+    assert config.rsbcm == RSBCMConfig(cache_budget_mb=8, enabled=False) and config.prefix_cache is None
+    assert EngineConfig().rsbcm.enabled
 
 
 def _bad_calls(engine):

@@ -1,12 +1,13 @@
 """Which JSON schemas the constrained decoder can guarantee, checked before decoding.
 
-``ConstrainedDecoder`` (``rksc_engine.constrained``) honours only part of JSON schema; output decoded
-under a schema that asks for more may not validate. A caller that promises valid output (the HTTP
+``ConstrainedDecoder`` (``rksc_engine.structured.constrained``) honours only part of JSON schema;
+output decoded under a schema that asks for more may not validate. A caller that promises valid output (the HTTP
 server, for tool parameters and ``response_format``) calls ``check_schema`` up front and refuses the
 request with the location of the first unsupported use, rather than answer with JSON its schema
 rejects. The check lives apart from the decoder because it is a promise about the decoder's output,
 made before any decoding runs, and apart from the tool protocol because JSON answers need it without
-tools.
+tools. The decoder's item limit (``MAX_ITEMS``) is defined here, since the check promises it and the
+decoder, which imports this module, enforces it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .constrained import MAX_ITEMS
+__all__ = ["JSON_TYPES", "MAX_ITEMS", "UNSUPPORTED_KEYWORDS", "SchemaNotSupported", "check_schema"]
 
-__all__ = ["JSON_TYPES", "UNSUPPORTED_KEYWORDS", "SchemaNotSupported", "check_schema"]
+MAX_ITEMS = 8  # array items / free object keys the model may produce, so a loop cannot run away
 
 JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
 # Assertions the decoder does not enforce: output decoded under a schema that uses them may not

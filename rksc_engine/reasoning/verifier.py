@@ -4,7 +4,8 @@
 ``P(Yes) / (P(Yes) + P(No))`` at the answer position. The question part of the verification
 prompt is identical across candidates, so it is computed once and served from the prefix cache;
 each candidate computes only its own tail. With CGEE level 2 the tail's pass may stop at an earlier
-layer (see ``cgee``); a stopped pass's KV is never written to the prefix cache.
+layer (by ``cgee.exits_after_layer``, the rule calibration replays offline); a stopped pass's KV is
+never written to the prefix cache.
 
 Each pass is timed (``PassTrace``), which gives two per-call estimates of the time CGEE saved
 against full-depth verification: for a pass that stopped early, the measured seconds per layer of
@@ -17,6 +18,7 @@ real difference side by side.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,9 +26,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .cgee import CGEEConfig
-from .model_parts import decoder_parts  # re-exported: ``verifier.decoder_parts`` stays importable
-from .tokens import common_prefix
+from ..decoder_parts import decoder_parts  # re-exported: ``verifier.decoder_parts`` stays importable
+from ..kvcache.prefix_match import common_prefix
+from ..protocol import LocalEngine
+from .cgee import CGEEConfig, exit_check_layers, exits_after_layer, lens_entropy
 
 JUDGE_SYSTEM_PROMPT = "You check answers to math word problems. Reply with Yes or No only."
 JUDGE_TEMPLATE = "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct?"
@@ -159,10 +162,10 @@ class LLMJudgeVerifier:
             ``{answer}``, and the question must come first so candidates share it as a prefix.
         labels: The positive and negative label strings; each is scored by its first token.
         record_lens: Keep the label logits of the logit lens at every layer of full-depth passes in
-            ``PassTrace.lens_logits``, the data ``cgee.calibrate`` needs for level 2. Default False.
+            ``PassTrace.lens_logits``, the data ``calibration.calibrate`` needs for level 2. Default False.
     """
 
-    def __init__(self, engine: Any, system_prompt: str = JUDGE_SYSTEM_PROMPT, template: str = JUDGE_TEMPLATE,
+    def __init__(self, engine: LocalEngine, system_prompt: str = JUDGE_SYSTEM_PROMPT, template: str = JUDGE_TEMPLATE,
                  labels: tuple[str, str] = ("Yes", "No"), record_lens: bool = False) -> None:
         if template.find("{question}") < 0 or template.find("{answer}") < template.find("{question}"):
             raise ValueError("template must contain {question} before {answer}")
@@ -217,8 +220,8 @@ class LLMJudgeVerifier:
         The shared prefix's KV comes from the prefix cache (fanned out to the B rows); each row then
         computes only its own tail. Rows are right-padded: attention is causal, so padding after a
         row's last real token cannot change that token's hidden state, and scores stay exact. With
-        layer exit on, the batch stops at the first layer where every row's label entropy is below
-        ``theta`` and stable.
+        layer exit on, the batch stops at the first layer where ``cgee.exits_after_layer`` says so (every
+        row's label entropy below ``theta`` and stable).
         """
         engine = self.engine
         layers, norm, head = decoder_parts(engine.model)
@@ -242,11 +245,13 @@ class LLMJudgeVerifier:
         input_ids = torch.tensor([t + [pad] * (width - len(t)) for t in tails], device=engine.device)  # (B, T)
         rows = torch.arange(len(tails), device=engine.device)
         last = torch.tensor([len(t) - 1 for t in tails], device=engine.device)  # (B,)
+        num_layers = len(layers)
+        checked_layers = exit_check_layers(num_layers, cgee)
 
         def on_layer(layer_idx: int):
             def hook(_module, _args, output):
                 trace.layers_run += 1
-                checked = cgee.exit_enabled and cgee.min_layer <= layer_idx < len(layers) - 1
+                checked = layer_idx in checked_layers
                 if not checked and not self.record_lens:
                     return
                 start = time.perf_counter()
@@ -256,12 +261,13 @@ class LLMJudgeVerifier:
                     lens.append(logits.float())
                 if not checked:
                     return
-                logp = logits.float().log_softmax(-1)
-                entropy = -(logp.exp() * logp).sum(-1)  # (B,) label entropy in nats, one op for the batch
-                stable = state["prev"] is not None and bool(((entropy - state["prev"]).abs() < cgee.epsilon).all())
+                entropy = lens_entropy(logits)  # (B,) label entropy in nats, one op for the batch
+                previous = state["prev"]
+                moved = torch.full_like(entropy, math.inf) if previous is None else (entropy - previous).abs()
                 state["prev"] = entropy
+                stop = bool(exits_after_layer(layer_idx, num_layers, entropy, moved, cgee))
                 trace.check_s += time.perf_counter() - start
-                if stable and bool((entropy < cgee.theta).all()):
+                if stop:
                     trace.exit_layer, state["logits"] = layer_idx, logits
                     raise _StopForward
             return hook
@@ -275,7 +281,7 @@ class LLMJudgeVerifier:
                 # Run the decoder body only and project just the label rows at the scored positions:
                 # the full-vocabulary head over every padded position would cost ~30% of the pass.
                 hidden = prefix.run_decoder(input_ids)
-                trace.exit_layer = len(layers) - 1
+                trace.exit_layer = num_layers - 1
                 if self.record_lens:
                     trace.lens_logits = torch.stack(lens)  # (L, B, 2)
                 return hidden[rows, last] @ label_rows.T, trace  # (B, 2); the body already applied the final norm

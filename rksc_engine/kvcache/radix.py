@@ -57,8 +57,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import EVICTION_POLICY_NAMES
 from .memory import is_out_of_memory
-from .tokens import common_prefix_length
+from .prefix_match import common_prefix_length
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -166,6 +167,7 @@ class OmegaPolicy(EvictionPolicy):
 
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "omega": OmegaPolicy}
+assert tuple(sorted(EVICTION_POLICIES)) == tuple(sorted(EVICTION_POLICY_NAMES)), "config names the policies"
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

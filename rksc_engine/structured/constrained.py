@@ -14,10 +14,12 @@ String values are not masked (any text is a valid string; the closing quote ends
 call's logprobs are over the masked distribution. Every value call re-sends the prompt plus the
 scaffold so far; the prefix cache serves all but the newest tokens.
 
-This module knows JSON values and token masks, not tools: the tool-calling protocol
-(``rksc_engine.tools``) builds a tool call on this decoder, and ``rksc_engine.json_schema`` says which
-schemas the decoder can guarantee. Keeping the decoder apart lets both use it without it depending on
-either.
+This module knows JSON values and token masks, not the tool protocol: the tool-calling protocol
+(``rksc_engine.structured.tools``) builds a tool call on this decoder, and
+``rksc_engine.structured.json_schema`` says which schemas the decoder can guarantee (and sets its
+item limit, ``MAX_ITEMS``). A result carries the calls made as ``ToolCall`` records, defined here
+because the result holds them; the protocol that writes and parses them imports this module, never
+the other way.
 """
 
 from __future__ import annotations
@@ -31,18 +33,16 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from .config import SamplingParams
-from .types import Completion
-
-if TYPE_CHECKING:  # annotation only: the protocol imports this module, never the other way at runtime
-    from .tools import ToolCall
+from ..config import SamplingParams
+from ..protocol import LocalEngine
+from ..results import Completion
+from .json_schema import MAX_ITEMS
 
 __all__ = [
-    "MAX_ITEMS",
     "MAX_VALUE_TOKENS",
     "ChoiceConstraint",
     "ConstrainedDecoder",
@@ -51,6 +51,7 @@ __all__ = [
     "PatternConstraint",
     "TokenConstraint",
     "TokenVocabulary",
+    "ToolCall",
     "constraint_processor",
     "decode_json",
     "inline_refs",
@@ -60,7 +61,6 @@ __all__ = [
     "vocabulary",
 ]
 
-MAX_ITEMS = 8  # array items / free object keys the model may produce, so a loop cannot run away
 MAX_VALUE_TOKENS = 64  # constrained values are short; a runaway string value stops here
 
 _INT = re.compile(r"\s*(-?\d+)")
@@ -124,7 +124,7 @@ class TokenVocabulary:
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def vocabulary(engine: Any) -> TokenVocabulary:
+def vocabulary(engine: LocalEngine) -> TokenVocabulary:
     """The engine tokenizer's ``TokenVocabulary`` (built on first use, about 0.4 s for 49k tokens)."""
     tokenizer = engine.tokenizer
     vocab = _vocabularies.get(tokenizer)
@@ -205,7 +205,7 @@ def number_constraint(vocab: TokenVocabulary) -> PatternConstraint:
 
 
 def constraint_processor(
-    engine: Any, constraint: TokenConstraint, timing: dict[str, float] | None = None
+    engine: LocalEngine, constraint: TokenConstraint, timing: dict[str, float] | None = None
 ) -> Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]:
     """A per-request logits processor (``engine.submit(..., logits_processor=...)``) that sets the
     logits of tokens ``constraint`` does not allow after each row's text so far to -inf.
@@ -249,7 +249,7 @@ class ConstrainedDecoder:
     """
 
     def __init__(
-        self, engine: Any, prompt_ids: Sequence[int], params: SamplingParams, text: str = "", token_masks: bool = True
+        self, engine: LocalEngine, prompt_ids: Sequence[int], params: SamplingParams, text: str = "", token_masks: bool = True
     ) -> None:
         self._engine = engine
         self._prompt_ids = list(prompt_ids)
@@ -461,12 +461,21 @@ class ConstrainedDecoder:
 
 # -- results ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: the tool's name, its arguments, and a fresh call id."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str
+
+
+@dataclass(frozen=True)
 class ConstrainedResult:
     """A tool call or JSON answer decoded under its schema.
 
     Attributes:
         text: The prose before the call (tool calls), or the JSON text (JSON answers).
-        tool_calls: The calls made (one per ``rksc_engine.tools.decode_tool_call``).
+        tool_calls: The calls made (one per ``rksc_engine.structured.tools.decode_tool_call``).
         value: The decoded JSON value (JSON answers), else None.
         finish_reason: ``"tool_calls"`` or ``"stop"``.
         completion: The accounting to report for the request: the free generation that started the
@@ -485,7 +494,7 @@ class ConstrainedResult:
 
 
 def decode_json(
-    engine: Any, prompt_ids: Sequence[int], params: SamplingParams, schema: dict[str, Any] | None = None,
+    engine: LocalEngine, prompt_ids: Sequence[int], params: SamplingParams, schema: dict[str, Any] | None = None,
     *, token_masks: bool = True,
 ) -> ConstrainedResult:
     """A JSON answer: a value of ``schema`` (local ``$ref``s are resolved), or with no schema an

@@ -13,7 +13,7 @@ FinishReason = Literal["stop", "length", "eos", "cancelled"]
 
 @dataclass(frozen=True)
 class ASKSDecision:
-    """What ASKS did for one prompt (see ``rksc_engine.asks``).
+    """What ASKS did for one prompt (see ``rksc_engine.kvcache.asks``).
 
     Attributes:
         reused: Whether cached KV of the realigned remainder was reused (approximate KV).
@@ -53,7 +53,7 @@ class ASKSDecision:
 
 @dataclass(frozen=True)
 class ChunkReuseDecision:
-    """What retrieved-context reuse did for one prompt (see ``rksc_engine.chunk_reuse``).
+    """What retrieved-context reuse did for one prompt (see ``rksc_engine.kvcache.chunk_reuse``).
 
     Attributes:
         reused: Whether cached chunk KV was reused (approximate KV).

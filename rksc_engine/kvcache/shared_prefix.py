@@ -54,7 +54,7 @@ def initial_suffix_capacity(max_new_tokens: int) -> int:
 
 
 # -- attention ----------------------------------------------------------------------------------
-def _partial_attention(
+def partial_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over one block of keys, returning the output and its log-sum-exp.
@@ -78,10 +78,10 @@ def _partial_attention(
     return torch.matmul(weights, values.float()), lse
 
 
-def _fused_cpu_attention(
+def fused_cpu_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The same as ``_partial_attention`` without a mask, through PyTorch's fused CPU flash kernel
+    """The same as ``partial_attention`` without a mask, through PyTorch's fused CPU flash kernel
     (the one SDPA uses), which also returns the log-sum-exp. ``None`` where it is unavailable."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None or query.device.type != "cpu" or query.dim() != 4:
@@ -189,8 +189,8 @@ def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch
     """Attention of prefix-shaped queries (1, H_kv, R, D) over one prefix segment (1, H_kv, P, D).
     Returns ``(out, lse)`` as (1, H_kv, R, D), (1, H_kv, R), or per branch (``_rows_to_branches``)
     when ``batch`` is given."""
-    result = _fused_cpu_attention(q_prefix, keys, values, scale) if fused else None
-    out, lse = result if result is not None else _partial_attention(q_prefix, keys, values, scale)
+    result = fused_cpu_attention(q_prefix, keys, values, scale) if fused else None
+    out, lse = result if result is not None else partial_attention(q_prefix, keys, values, scale)
     return _rows_to_branches(out, lse, batch) if batch is not None else (out, lse)
 
 
@@ -215,7 +215,7 @@ def _merge_with_suffix(
 
     # Suffix: each branch against its own tokens; new token i sees suffix positions <= S - T + i.
     # One new token sees the whole suffix, so the fused kernel needs no mask (the decode case).
-    fused_out = _fused_cpu_attention(q, key, value, scale) if fused and num_new == 1 else None
+    fused_out = fused_cpu_attention(q, key, value, scale) if fused and num_new == 1 else None
     if fused_out is not None:
         out_s, lse_s = fused_out
     else:
@@ -225,7 +225,7 @@ def _merge_with_suffix(
                 torch.arange(num_new, device=query.device)[:, None] + suffix_len - num_new
             )  # (T, S)
             mask = visible.repeat(group, 1)  # rows of q are (group, token) pairs, token fastest
-        out_s, lse_s = _partial_attention(q, key, value, scale, mask)  # (B, H_kv, G*T, D), (B, H_kv, G*T)
+        out_s, lse_s = partial_attention(q, key, value, scale, mask)  # (B, H_kv, G*T, D), (B, H_kv, G*T)
 
     # Exact merge of the two partial softmaxes: the suffix's share of the total softmax mass is
     # exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p), so the merged output is a lerp

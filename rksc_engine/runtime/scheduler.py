@@ -34,26 +34,27 @@ import logging
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .config import SamplingParams
-from .memory import ForwardOutOfMemoryError, is_out_of_memory
-from .requests import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
-from .sampling import choose_next_tokens, make_generators
-from .shared_prefix import (
+from ..config import SamplingParams, SchedulerConfig
+from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
+from ..kvcache.shared_prefix import (
     ATTENTION_NAME,
     BatchDecodeCache,
     SharedPrefixCache,
     attention_implementation,
     initial_suffix_capacity,
 )
-from .types import ASKSDecision, BranchEvent, ChunkReuseDecision, Completion, StreamChunk
-
-if TYPE_CHECKING:
-    from .engine import RKSCEngine
+from ..results import BranchEvent, Completion, EngineStats, StreamChunk
+from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
+from .lock import EngineLock
+from .model_runner import ModelRunner
+from .prefill import Prefiller
+from .request import Branch, Request
+from .sampling import choose_next_tokens, make_generators
+from .stats import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -71,88 +72,35 @@ def _stop_all_schedulers() -> None:
         scheduler.shutdown()
 
 
-@dataclass
-class _Branch:
-    """Mutable decoding state of one branch."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
-    pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
-    skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
-
-
-@dataclass(eq=False)
-class _Request:
-    """A request as the scheduler advances it."""
-
-    request_id: int
-    prompt_ids: list[int]
-    n: int
-    params: SamplingParams
-    channel: RequestChannel
-    stream: bool
-    logits_processor: LogitsProcessor | None
-    seed: int
-    # Set at admission:
-    branches: list[_Branch] = field(default_factory=list)
-    active: list[int] = field(default_factory=list)  # active[row] = branch index of that batch row
-    generators: list[torch.Generator] = field(default_factory=list)
-    cache: Any = None  # SharedPrefixCache (batched with others) or a transformers DynamicCache (alone)
-    next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
-    max_new: int = 0
-    num_cached_tokens: int = 0
-    exact: bool = True
-    asks: ASKSDecision | ChunkReuseDecision | None = None
-    segments: tuple[tuple[int, int], ...] | None = None  # the prompt cut at the chunk separator
-    locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
-    prefill: Any = None  # the prompt's prefill while it runs in chunks (engine.prefill_steps)
-    prefill_done: int = 0  # tokens its finished prefill passes computed
-    shared_prefix: bool = False  # decode through SharedPrefixCache (the engine's probe said yes)
-    num_private_segments: int = 0  # prompt segments the request holds itself (not read from the radix cache)
-    admissions: int = 0  # how often it was admitted (more than once after a preemption)
-    # After a preemption: per branch, how many tokens and characters its stream already delivered, so
-    # the recomputed branch (the same tokens: same prompt, same seeds) does not deliver them twice.
-    delivered: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Branch control. A request whose monitor may add branches (max_branches > n) keeps its prompt's
-    # KV and last logits (``fork``) while it runs; each added wave decodes as a member request of its
-    # own (``owner`` set) that shares the owner's branches, generators, channel and radix lock.
-    monitor: BranchMonitor | None = None
-    max_branches: int = 0
-    owner: _Request | None = None
-    fork: tuple[Any, torch.Tensor] | None = None  # (prompt KV to fork from, (1, V) logits after the prompt)
-    live_members: int = 0  # on an owner: itself and its waves while they have rows
-    pending_stop: set[int] = field(default_factory=set)  # on an owner: branches to end before the next forward
-    branches_stopped: bool = False  # on an owner: some branch was stopped (by its caller or its monitor)
-
-    @property
-    def shared(self) -> bool:
-        return isinstance(self.cache, SharedPrefixCache)
-
-    @property
-    def head(self) -> _Request:
-        """The request the caller submitted (itself, or the owner of this wave)."""
-        return self.owner or self
-
-    @property
-    def preemptible(self) -> bool:
-        # Starting over replays every branch from its first token: a monitor would count them twice,
-        # and a branch already stopped would run again. Such requests are never the ones preempted.
-        return self.owner is None and self.monitor is None and not self.branches_stopped
-
-
 class Scheduler:
-    """Continuous batching over one engine's model and prefix cache (see the module docstring)."""
+    """Continuous batching over one model and its prefix cache (see the module docstring).
 
-    def __init__(self, engine: RKSCEngine) -> None:
-        self._engine = engine
+    Args:
+        runner: Runs the forward passes.
+        prefiller: Computes prompts' KV through the radix cache, and holds its locks.
+        tokenizer: Detokenises branches (stop strings, streamed text).
+        config: Batch rows and the per-step prefill budget.
+        counters: The engine's counters, which the scheduler adds to and publishes.
+
+    Attributes:
+        lock: The engine lock: each step runs under it, and so does whoever holds the engine
+            (``exclusive()``, a verifier pass); letting go of it publishes a stats snapshot.
+    """
+
+    def __init__(self, runner: ModelRunner, prefiller: Prefiller, tokenizer: Any, config: SchedulerConfig,
+                 counters: Counters) -> None:
+        self.runner, self.prefiller, self.tokenizer = runner, prefiller, tokenizer
+        self.config, self.counters = config, counters
+        self.prefix_cache = prefiller.prefix_cache
+        # Whoever lets go of the engine last (a step, a verifier pass, an exclusive() block) publishes
+        # the stats snapshot that stats() returns while someone else holds it.
+        self.lock = EngineLock(on_release=self.publish_stats)
+        self._published_stats = EngineStats()
+        runner.min_budget_tokens = self.largest_prompt_tokens
         self._cv = threading.Condition()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
-        self._prefilling: list[_Request] = []  # admitted, prompt prefilled in chunks over several steps
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._prefilling: list[Request] = []  # admitted, prompt prefilled in chunks over several steps
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stepping = False
@@ -166,7 +114,7 @@ class Scheduler:
         self._rows_cap: int | None = None
         # What is left of this step's prefill budget: the size of the next prefill pass.
         self._pass_tokens = 0
-        self._spawned: list[_Request] = []  # waves added during the current decode
+        self._spawned: list[Request] = []  # waves added during the current decode
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
@@ -174,11 +122,11 @@ class Scheduler:
                segments: tuple[tuple[int, int], ...] | None = None,
                monitor: BranchMonitor | None = None, max_branches: int | None = None) -> RequestHandle:
         """Queue a validated request; returns its handle at once. ``segments``: the prompt cut at the
-        chunk separator, for retrieved-context reuse (``engine.prompt_segments``); ``monitor`` and
+        chunk separator, for retrieved-context reuse (``PromptEncoder.segments``); ``monitor`` and
         ``max_branches``: see ``RKSCEngine.submit``."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         channel = RequestChannel()
-        request = _Request(next(self._ids), list(prompt_ids), n, params, channel, stream, logits_processor, seed)
+        request = Request(next(self._ids), list(prompt_ids), n, params, channel, stream, logits_processor, seed)
         request.segments = segments
         request.monitor = monitor
         request.max_branches = n if max_branches is None else max_branches
@@ -192,14 +140,14 @@ class Scheduler:
         with self._cv:
             self._cv.notify_all()
 
-    def owns_engine(self) -> bool:
+    def holds_engine(self) -> bool:
         """Whether the calling thread holds the engine lock (inside ``engine.exclusive()``)."""
-        return self._engine.holds_engine()
+        return self.lock.held_by_caller()
 
     def wait_for(self, channel: RequestChannel, timeout: float | None) -> None:
         """Block until ``channel`` has news. A caller holding the engine lock steps the loop itself
         (the loop thread cannot get the lock until it lets go)."""
-        if self.owns_engine():
+        if self.holds_engine():
             if self._stepping:
                 raise RuntimeError("an engine call cannot be made from inside a running step "
                                    "(for example from a logits processor)")
@@ -247,6 +195,44 @@ class Scheduler:
                         seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
+    # -- stats ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters, the cache and the batch. Never waits for the engine: while
+        someone holds it, the snapshot published when it was last let go of (and before any request
+        finished) is returned."""
+        if not self.lock.acquire(blocking=False):
+            return self._published_stats
+        try:
+            return self.publish_stats()
+        finally:
+            self.lock.release(run_hook=False)  # just published
+
+    def publish_stats(self) -> EngineStats:
+        """Take a fresh snapshot and make it the one ``stats()`` returns while the engine is busy
+        (the caller holds the engine)."""
+        snapshot = self.counters.snapshot()
+        cache = self.prefix_cache
+        snapshot.cache_bytes = cache.total_bytes
+        snapshot.cache_tokens = cache.total_tokens
+        snapshot.cache_evicted_tokens = cache.evicted_tokens
+        snapshot.cache_peak_bytes = cache.peak_bytes
+        snapshot.cache_budget_bytes = cache.budget_bytes
+        snapshot.running_requests = self.num_running_requests
+        snapshot.waiting_requests = self.num_waiting
+        snapshot.running_kv_bytes = self.running_kv_bytes()
+        snapshot.peak_running_kv_bytes = self.peak_running_kv_bytes
+        snapshot.peak_batch_rows = self.peak_batch_rows
+        self._published_stats = snapshot
+        return snapshot
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the peaks (the caller holds the engine)."""
+        self.counters.reset()
+        self.prefix_cache.reset_peak()
+        self.peak_batch_rows = self.num_running_rows
+        self.peak_running_kv_bytes = self.running_kv_bytes()
+        self.publish_stats()
+
     # -- the loop -------------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         # Called with self._cv held.
@@ -281,7 +267,7 @@ class Scheduler:
                         self._thread = None
                         return
             try:
-                with self._engine.exclusive():
+                with self.lock:
                     if self._has_work():
                         self.step()
             except BaseException:  # noqa: BLE001 - the step failed its requests; keep serving the rest
@@ -350,7 +336,7 @@ class Scheduler:
         """Advance the requests whose long prompts are being prefilled in chunks, then start waiting
         requests, while the step's prefill budget (``max_prefill_tokens``) and the batch's rows last.
         The first prefill of a step always runs, so no prompt waits forever."""
-        config = self._engine.config.scheduler
+        config = self.config
         budget = config.max_prefill_tokens
         for request in list(self._prefilling):
             if budget <= 0:
@@ -368,23 +354,23 @@ class Scheduler:
                 if budget < config.max_prefill_tokens and len(request.prompt_ids) > budget:
                     return  # not this step: its prompt would overrun what is left of the budget
                 self._waiting.popleft()
-            engine = self._engine
             try:
-                request.shared_prefix = engine.decodes_with_shared_prefix()  # may refuse (forced but unsupported)
+                request.shared_prefix = self.runner.decodes_with_shared_prefix()  # may refuse (forced but unsupported)
             except Exception as error:  # this request fails, nothing counted; the others go on
                 self._fail(request, error)
                 continue
             request.admissions += 1
             if request.admissions == 1:
-                engine.count("requests")
-            request.prefill = engine.prefill_steps(request.prompt_ids, self._next_pass_tokens, request.segments)
+                self.counters.count("requests")
+            request.prefill = self.prefiller.prefill_steps(request.prompt_ids, self._next_pass_tokens,
+                                                           request.segments)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
 
     def _next_pass_tokens(self) -> int:
         return self._pass_tokens
 
-    def _prefill_more(self, request: _Request, budget: int) -> int:
+    def _prefill_more(self, request: Request, budget: int) -> int:
         """Run ``request``'s next prefill pass, of at most ``budget`` new tokens (what is left of the
         step's ``max_prefill_tokens``); when the prompt is done, fan it out to its branches and take
         their first tokens. Returns the tokens computed.
@@ -422,7 +408,7 @@ class Scheduler:
         self._prefilling.append(request)  # more passes to go, in later steps
         return computed
 
-    def _requeue_after_oom(self, request: _Request, error: BaseException) -> bool:
+    def _requeue_after_oom(self, request: Request, error: BaseException) -> bool:
         """Put a request whose prefill ran out of memory back at the head of the queue, when other
         requests hold memory that their finishing will free. Returns whether it did."""
         if not _is_oom(error) or not (self._running or self._prefilling):
@@ -433,12 +419,11 @@ class Scheduler:
         return True
 
     @torch.inference_mode()
-    def _start(self, request: _Request, prefilled: Any) -> None:
+    def _start(self, request: Request, prefilled: Any) -> None:
         """Fan the prefilled prompt out to the ``n`` branches and take their first tokens."""
-        engine = self._engine
         request.num_cached_tokens = prefilled.num_cached_tokens
         request.exact, request.asks = prefilled.exact, prefilled.asks
-        request.max_new = min(request.params.max_new_tokens, engine.context_window - len(request.prompt_ids))
+        request.max_new = min(request.params.max_new_tokens, self.runner.context_window - len(request.prompt_ids))
         forks = request.max_branches > request.n
         # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt cache.
         plain = not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
@@ -451,12 +436,12 @@ class Scheduler:
             prompt_kv = ([list(layer.segments) for layer in request.cache.layers] if request.shared
                          else template)
             request.fork = (prompt_kv, prefilled.last_logits.clone())  # a logits processor may edit its input
-        request.branches = [_Branch(i) for i in range(request.n)]
+        request.branches = [Branch(i) for i in range(request.n)]
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.delivered.get(branch.index, (0, 0))
         request.active = list(range(request.n))
         if not request.params.greedy:
-            request.generators = make_generators(request.seed, request.n, engine.device)
+            request.generators = make_generators(request.seed, request.n, self.runner.device)
         request.live_members = 1
         logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
         if self._advance_or_fail(request, logits):
@@ -465,7 +450,7 @@ class Scheduler:
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 
-    def _spawn(self, owner: _Request, count: int) -> None:
+    def _spawn(self, owner: Request, count: int) -> None:
         """Add ``count`` branches to ``owner``, forked off its prompt, as a wave that decodes from the
         next step on. They take the next indices, so branch ``i`` is seeded ``seed + i`` and draws
         the same tokens as it would have in the first wave."""
@@ -474,7 +459,7 @@ class Scheduler:
         if count <= 0 or owner.fork is None:
             return
         prompt_kv, last_logits = owner.fork
-        wave = _Request(next(self._ids), owner.prompt_ids, count, owner.params, owner.channel, owner.stream,
+        wave = Request(next(self._ids), owner.prompt_ids, count, owner.params, owner.channel, owner.stream,
                         owner.logits_processor, owner.seed)
         wave.owner = owner
         wave.shared_prefix, wave.max_new, wave.max_branches = owner.shared_prefix, owner.max_new, count
@@ -487,22 +472,22 @@ class Scheduler:
             wave.cache = copy.deepcopy(prompt_kv)
             if count > 1:
                 wave.cache.batch_repeat_interleave(count)
-        owner.branches.extend(_Branch(first + j) for j in range(count))
+        owner.branches.extend(Branch(first + j) for j in range(count))
         if not owner.params.greedy:
-            owner.generators.extend(make_generators(owner.seed + first, count, self._engine.device))
+            owner.generators.extend(make_generators(owner.seed + first, count, self.runner.device))
         wave.branches, wave.generators = owner.branches, owner.generators  # shared with the owner
         wave.active = list(range(first, first + count))
         owner.live_members += 1
-        self._engine.count("branches_added", count)
+        self.counters.count("branches_added", count)
         logits = last_logits if count == 1 else last_logits.expand(count, -1)
         if self._advance_or_fail(wave, logits):
             self._spawned.append(wave)
 
-    def _take_spawned(self) -> list[_Request]:
+    def _take_spawned(self) -> list[Request]:
         spawned, self._spawned = self._spawned, []
         return [r for r in spawned if r.active and not r.head.channel.finished]
 
-    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool, request: _Request | None = None
+    def _decode_cache(self, cache: Any, n: int, max_new: int, shared_prefix: bool, request: Request | None = None
                       ) -> Any:
         """The cache ``n`` branches decode with: the prompt's KV once with a preallocated suffix per
         branch (``SharedPrefixCache``), or the plain ``DynamicCache`` with its row repeated.
@@ -516,25 +501,14 @@ class Scheduler:
                 cache.batch_repeat_interleave(n)
             return cache
         capacity = initial_suffix_capacity(max_new)
-        engine = self._engine
-        if request is None or not engine.prefix_cache_enabled:
+        in_place = self.prefiller.read_in_place(request.prompt_ids, cache) if request is not None else None
+        if in_place is None:
             return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
-        match = engine.prefix_cache.match_prefix(request.prompt_ids)
-        if match.num_tokens == 0:
-            return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
-        engine.prefix_cache.lock(match.last_node)
-        request.locked_node = match.last_node
-        per_layer = []
-        for index, layer in enumerate(cache.layers):
-            segments = [(seg[index, 0][None], seg[index, 1][None]) for seg in match.segments]  # (1, H_kv, t, D)
-            if match.num_tokens < len(request.prompt_ids):  # the part the cache had no room for
-                segments.append((layer.keys[:, :, match.num_tokens:].clone(),
-                                 layer.values[:, :, match.num_tokens:].clone()))
-            per_layer.append(segments)
-        request.num_private_segments = int(match.num_tokens < len(request.prompt_ids))
-        return SharedPrefixCache.from_segments(per_layer, n, suffix_capacity=capacity)
+        request.locked_node = in_place.locked_node
+        request.num_private_segments = in_place.num_private_segments
+        return SharedPrefixCache.from_segments(in_place.segments, n, suffix_capacity=capacity)
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: Request) -> None:
         """Take ``request`` out of the batch and put it first in the queue. Its KV is freed; it starts
         over when admitted again and, with the same prompt and seeds, generates the same tokens, of
         which its streams deliver only those they have not delivered yet."""
@@ -544,11 +518,11 @@ class Scheduler:
                                  for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
         self.num_preemptions += 1
-        self._engine.count("preemptions")
+        self.counters.count("preemptions")
         with self._cv:
             self._waiting.appendleft(request)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: Request) -> None:
         """Drop a request's KV and unlock the radix nodes it read (exactly once). A wave releases
         only its own rows; its owner holds the prompt and the lock for all of them."""
         if request.prefill is not None:  # mid-prefill: closing it unlocks the prefix it matched
@@ -560,10 +534,10 @@ class Scheduler:
             return
         request.fork = None
         if request.locked_node is not None:
-            self._engine.prefix_cache.unlock(request.locked_node)
+            self.prefiller.unlock(request.locked_node)
             request.locked_node = None
 
-    def _fail(self, request: _Request, error: BaseException) -> None:
+    def _fail(self, request: Request, error: BaseException) -> None:
         """Fail the submitted request ``request`` belongs to, with all its waves, and free their KV.
         Never raises: a failure must not spread to the requests processed after it."""
         head = request.head
@@ -578,17 +552,17 @@ class Scheduler:
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
     def _decode(self) -> None:
-        engine = self._engine
+        runner = self.runner
         batched = [r for r in self._running if r.shared]
         alone = [r for r in self._running if not r.shared]
-        still_running: list[_Request] = []
+        still_running: list[Request] = []
         if batched:
             cache = BatchDecodeCache([r.cache for r in batched])
             input_ids = torch.cat([r.next_tokens for r in batched])[:, None]  # (B, 1)
             try:
-                with attention_implementation(engine.model, ATTENTION_NAME):
-                    out = engine.forward(input_ids, cache, position_ids=cache.position_ids(engine.device),
-                                          **cache.forward_kwargs())
+                with attention_implementation(runner.model, ATTENTION_NAME):
+                    out = runner.forward(input_ids, cache, position_ids=cache.position_ids(runner.device),
+                                         **cache.forward_kwargs())
             except Exception as error:
                 # Out of memory even after evicting and retrying (every cache was rolled back):
                 # preempt the newest request, to be recomputed when there is room; the rest go on.
@@ -609,7 +583,7 @@ class Scheduler:
             if request.head.channel.finished or not request.active:
                 continue
             try:
-                out = engine.forward(request.next_tokens[:, None], request.cache)
+                out = runner.forward(request.next_tokens[:, None], request.cache)
             except Exception as error:
                 victim = self._oom_victim(error)
                 if victim is None:
@@ -626,7 +600,7 @@ class Scheduler:
         self._running = [r for r in self._running if id(r) in kept and r.active and not r.head.channel.finished]
         self._running += self._take_spawned()
 
-    def _oom_victim(self, error: BaseException) -> _Request | None:
+    def _oom_victim(self, error: BaseException) -> Request | None:
         """The request to preempt after ``error``: the newest that can start over, when it is out of
         memory and another request would go on; None when the error is to fail its requests."""
         if not _is_oom(error) or len(self._running) < 2:
@@ -634,7 +608,7 @@ class Scheduler:
         candidates = [r for r in self._running if r.preemptible and r.active]
         return max(candidates, key=lambda r: r.request_id) if candidates else None
 
-    def _advance_or_fail(self, request: _Request, logits: torch.Tensor) -> bool:
+    def _advance_or_fail(self, request: Request, logits: torch.Tensor) -> bool:
         """``_advance``, but an error (a failing logits processor or monitor, say) fails this request alone."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
@@ -646,11 +620,11 @@ class Scheduler:
             self._fail(request, _as_failure(error))
             return False
 
-    def _advance(self, request: _Request, logits: torch.Tensor) -> bool:
+    def _advance(self, request: Request, logits: torch.Tensor) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
         it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
         the request (this wave, for an added one) still has rows."""
-        engine, params, head = self._engine, request.params, request.head
+        params, head = request.params, request.head
         if request.logits_processor is not None:
             logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
         generators = [request.generators[b] for b in request.active] if request.generators else []
@@ -658,7 +632,7 @@ class Scheduler:
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             self._append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new)
-        engine.count("decode_tokens", len(request.active))
+        self.counters.count("decode_tokens", len(request.active))
         if head.monitor is not None:
             events = [BranchEvent(b, token_list[row], logprob_list[row], len(request.branches[b].token_ids),
                                   request.branches[b].text,
@@ -681,7 +655,7 @@ class Scheduler:
             return False
         return True
 
-    def _stop_branches(self, request: _Request) -> bool:
+    def _stop_branches(self, request: Request) -> bool:
         """Retire ``request``'s finished rows, and end (``"cancelled"``) those its owner was asked to
         stop; its cache keeps only the rows that go on. Returns whether any row is left."""
         head = request.head
@@ -691,7 +665,7 @@ class Scheduler:
             if branch.finish_reason is None and b in head.pending_stop:
                 branch.finish_reason = "cancelled"
                 head.branches_stopped = True
-                self._engine.count("branches_cancelled")
+                self.counters.count("branches_cancelled")
                 if request.stream:
                     self._emit(request, branch)
             if branch.finish_reason is None:
@@ -701,14 +675,14 @@ class Scheduler:
             request.active = []
             return False
         if len(keep_rows) < len(request.active):
-            index = torch.tensor(keep_rows, device=self._engine.device)
+            index = torch.tensor(keep_rows, device=self.runner.device)
             request.cache.batch_select_indices(index)
             if request.next_tokens is not None and request.next_tokens.shape[0] == len(request.active):
                 request.next_tokens = request.next_tokens[index]
             request.active = [request.active[r] for r in keep_rows]
         return True
 
-    def _member_done(self, request: _Request) -> None:
+    def _member_done(self, request: Request) -> None:
         """``request`` (the submitted request or one of its waves) has no rows left: free its rows' KV
         and, once no wave of the submitted request is left, finish it."""
         head = request.head
@@ -719,33 +693,32 @@ class Scheduler:
             return
         self._finish(head)
 
-    def _finish(self, request: _Request) -> None:
+    def _finish(self, request: Request) -> None:
         self._rows_cap = None  # rows have freed up: admit up to the configured batch again
         if request.n == 1 and request.exact and len(request.branches) == 1 and request.cache is not None:
             # approximate (ASKS) KV never enters the exact cache
             try:
-                self._engine.cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
+                self.prefiller.cache_generated(request.prompt_ids, request.branches[0].token_ids, request.cache)
             except Exception:  # caching is an optimisation: the request's answer stands without it
                 logger.exception("could not cache the KV of request %d's answer", request.request_id)
         self._release(request)
         completions = [self._completion(request, b) for b in request.branches]
-        self._engine.request_finished()
+        self.runner.request_finished()
         try:
-            self._engine.publish_stats()  # before the caller wakes, so its stats() sees this request
+            self.publish_stats()  # before the caller wakes, so its stats() sees this request
         except Exception:
             logger.exception("could not publish the engine's stats")
         request.channel.finish(completions)
 
-    def _append_token(self, branch: _Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
-        engine = self._engine
+    def _append_token(self, branch: Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
         branch.token_ids.append(token)
         branch.logprobs.append(logprob)
         if len(branch.token_ids) > branch.skip_tokens:
             branch.pending_ids.append(token)
-        if token in engine.eos_token_ids:
+        if token in self.runner.eos_token_ids:
             branch.finish_reason = "eos"
             return
-        branch.text = engine.tokenizer.decode(branch.token_ids, skip_special_tokens=True)
+        branch.text = self.tokenizer.decode(branch.token_ids, skip_special_tokens=True)
         if params.stop:
             cut = first_stop(branch.text, params.stop)
             if cut is not None:
@@ -755,7 +728,7 @@ class Scheduler:
         if len(branch.token_ids) >= max_new:
             branch.finish_reason = "length"
 
-    def _emit(self, request: _Request, branch: _Branch) -> None:
+    def _emit(self, request: Request, branch: Branch) -> None:
         """Stream what ``branch`` may show now: never a possible start of a stop string, never half a
         character. Its final chunk (when it has finished) carries the ``Completion``."""
         if branch.finish_reason is None:
@@ -770,7 +743,7 @@ class Scheduler:
                                          completion, branch_index=branch.index))
         branch.emitted_chars, branch.pending_ids = len(completion.text), []
 
-    def _completion(self, request: _Request, branch: _Branch) -> Completion:
+    def _completion(self, request: Request, branch: Branch) -> Completion:
         return Completion(
             text=branch.text,
             token_ids=tuple(branch.token_ids),

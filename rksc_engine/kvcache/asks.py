@@ -51,11 +51,11 @@ from typing import Any
 
 import torch
 
-from .config import ASKSConfig
+from ..config import ASKSConfig
+from ..decoder_parts import decoder_parts
+from ..results import ASKSDecision
 from .memory import roll_back
-from .model_parts import decoder_parts
-from .tokens import common_prefix_length
-from .types import ASKSDecision
+from .prefix_match import common_prefix_length
 
 # RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})

@@ -2,9 +2,9 @@
 that share one computed prompt; ``--early-stop`` picks when branches stop early (default ``decided``:
 once they cannot change the vote's winner), and the output says what that saved.
 
-The ``rksc`` command itself lives in ``rksc_cli``, above this package, which adds this subcommand
-with ``add_arguments``/``run`` beside ``rksc bench``; ``python -m rksc_engine.cli ask ...`` runs it
-alone.
+``rksc_cli`` adds this subcommand with ``add_arguments``/``run`` beside ``rksc bench`` and ``rksc serve``;
+``python -m rksc_cli.ask ask ...`` runs it alone. It sits outside ``rksc_engine`` because a command line is
+a front-end, like the HTTP server: the engine never depends on one.
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import json
 import sys
 import time
 
-from .cgee import CGEEConfig
-from .config import SamplingParams
-from .datasets import few_shot_messages, load_gsm8k_jsonl, synthetic_problems
-from .early_stop import EARLY_STOP_RULES
-from .reasoning import ReasoningResult
+from rksc_engine.config import SamplingParams
+from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
+from rksc_engine.reasoning.cgee import CGEEConfig
+from rksc_engine.reasoning.early_stop import EARLY_STOP_RULES
+from rksc_engine.reasoning.few_shot import few_shot_messages
+from rksc_engine.reasoning.self_consistency import ReasoningResult
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rksc ask`` with the parsed ``args``; returns the exit status."""
-    from .engine import RKSCEngine
+    from rksc_engine.engine import RKSCEngine
 
     t0 = time.perf_counter()
     engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
@@ -107,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The engine's own command line: ``ask`` only (``rksc_cli`` builds the full ``rksc`` command)."""
-    parser = argparse.ArgumentParser(prog="python -m rksc_engine.cli", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rksc_cli.ask", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_arguments(sub.add_parser("ask", help=ASK_HELP))
     return parser

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from ..config import ASKSConfig
+from ..results import ChunkReuseDecision
 from .asks import (
     PROBE_LAYER,
     kv_deviation,
@@ -50,9 +52,7 @@ from .asks import (
     scattered_mask,
     stop_after_layer,
 )
-from .config import ASKSConfig
 from .memory import roll_back
-from .types import ChunkReuseDecision
 
 Forward = Callable[..., Any]
 

@@ -1,6 +1,6 @@
 """The public request API: what ``engine.submit`` returns, and how its output reaches the caller.
 
-A submitted request is owned by the scheduler (``rksc_engine.scheduler``); the caller holds a
+A submitted request is owned by the scheduler (``rksc_engine.runtime.scheduler``); the caller holds a
 ``RequestHandle``. The two meet only in a ``RequestChannel``: the scheduler pushes chunks and the
 final completions into it, consumers take them out. No engine lock is ever held while a consumer
 reads, so a handle can be iterated, awaited, closed or dropped from any thread or event loop.
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .types import BranchControl, BranchEvent, Completion, StreamChunk
+from ..results import BranchControl, BranchEvent, Completion, StreamChunk
 
 # A per-request logits processor: given each active branch's generated token ids so far (rows in
 # the order of ``logits``) and the next-token logits of those rows, (B, V), return the logits to
@@ -58,7 +58,7 @@ class RequestDriver(Protocol):
     def wake(self) -> None:
         """A request changed (it was cancelled): look again."""
 
-    def owns_engine(self) -> bool:
+    def holds_engine(self) -> bool:
         """Whether the calling thread holds the engine (then awaiting must step it, not wait)."""
 
 
@@ -275,7 +275,7 @@ class RequestHandle:
     async def _async_result(self) -> list[Completion]:
         try:
             while not self._channel.finished:
-                if self._scheduler.owns_engine():  # awaited inside ``engine.exclusive()``: nobody else can step
+                if self._scheduler.holds_engine():  # awaited inside ``engine.exclusive()``: nobody else can step
                     self._scheduler.wait_for(self._channel, None)
                     continue
                 await self._channel.async_waiter()
@@ -293,7 +293,7 @@ class RequestHandle:
                 elif ended:
                     self._channel.outcome()
                     return
-                elif self._scheduler.owns_engine():
+                elif self._scheduler.holds_engine():
                     self._scheduler.wait_for(self._channel, None)
                 else:
                     await self._channel.async_waiter()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingParams, check_branch_seeds
+from ..config import SamplingParams, check_branch_seeds
 
 # Tokens examined by the fast top-p path before falling back to a full-vocabulary sort.
 TOP_P_CANDIDATES = 1024

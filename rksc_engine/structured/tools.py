@@ -21,9 +21,10 @@ finished under the tool's schema by ``finish_tool_turn`` (one the caller forces,
 the calls and on the message content (``tool_turn_content``). A caller that forces a call or asks for
 a JSON answer goes through ``decode_constrained``, so every client agrees on those too.
 
-The JSON decoder these calls are written with is ``rksc_engine.constrained`` (it knows JSON values and
-token masks, not tools), and which schemas it can guarantee is ``rksc_engine.json_schema``. Their
-public names are re-exported here, so code that imports them from ``rksc_engine.tools`` keeps working.
+The JSON decoder these calls are written with is ``rksc_engine.structured.constrained`` (it knows JSON
+values and token masks, not the protocol; ``ToolCall``, the record of one call its results carry, is
+defined there), and which schemas it can guarantee is ``rksc_engine.structured.json_schema``. Import
+their names from those modules.
 """
 
 from __future__ import annotations
@@ -36,35 +37,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import SamplingParams
-from .constrained import (
-    MAX_ITEMS,
-    MAX_VALUE_TOKENS,
-    ChoiceConstraint,
-    ConstrainedDecoder,
-    ConstrainedResult,
-    FixedConstraint,
-    PatternConstraint,
-    TokenConstraint,
-    TokenVocabulary,
-    constraint_processor,
-    decode_json,
-    inline_refs,
-    integer_constraint,
-    number_constraint,
-    value_params,
-    vocabulary,
-)
-from .json_schema import JSON_TYPES, UNSUPPORTED_KEYWORDS, SchemaNotSupported, check_schema
-from .types import Completion
+from ..config import SamplingParams
+from ..protocol import LocalEngine
+from ..results import Completion
+from .constrained import ConstrainedDecoder, ConstrainedResult, ToolCall, decode_json, inline_refs
 
 __all__ = [
-    # the protocol
     "JSON_INSTRUCTION",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "TOOL_SYSTEM_PROMPT",
-    "ToolCall",
     "ToolRequest",
     "ToolTurn",
     "add_system_text",
@@ -85,28 +67,6 @@ __all__ = [
     "tool_system_prompt",
     "tool_turn_content",
     "with_tool_call_stop",
-    # re-exported from rksc_engine.constrained
-    "MAX_ITEMS",
-    "MAX_VALUE_TOKENS",
-    "ChoiceConstraint",
-    "ConstrainedDecoder",
-    "ConstrainedResult",
-    "FixedConstraint",
-    "PatternConstraint",
-    "TokenConstraint",
-    "TokenVocabulary",
-    "constraint_processor",
-    "decode_json",
-    "inline_refs",
-    "integer_constraint",
-    "number_constraint",
-    "value_params",
-    "vocabulary",
-    # re-exported from rksc_engine.json_schema
-    "JSON_TYPES",
-    "UNSUPPORTED_KEYWORDS",
-    "SchemaNotSupported",
-    "check_schema",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -202,15 +162,6 @@ class ToolRequest:
         return [{"type": "function", "function": f} for f in self.functions.values()]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model made: the tool's name, its arguments, and a fresh call id."""
-
-    name: str
-    arguments: dict[str, Any]
-    id: str
-
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -295,7 +246,7 @@ def offer_tools(
 
 
 def encode_with_tools(
-    engine: Any, messages: Sequence[dict[str, Any]], request: ToolRequest | None, *,
+    engine: LocalEngine, messages: Sequence[dict[str, Any]], request: ToolRequest | None, *,
     json_answer: bool = False, schema: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template, tools offered (and a JSON answer
@@ -357,7 +308,7 @@ def tool_turn_content(prose: str, tokenizer: Any) -> str:
 
 # -- whole calls --------------------------------------------------------------------------------
 def decode_tool_call(
-    engine: Any,
+    engine: LocalEngine,
     prompt_ids: Sequence[int],
     params: SamplingParams,
     request: ToolRequest,
@@ -418,7 +369,7 @@ class ToolTurn:
 
 
 def finish_tool_turn(
-    engine: Any, prompt: Any, request: ToolRequest, free: Completion, params: SamplingParams,
+    engine: LocalEngine, prompt: Any, request: ToolRequest, free: Completion, params: SamplingParams,
     *, token_masks: bool = True,
 ) -> ToolTurn:
     """The turn of a free generation made with ``request``'s tools offered and ``TOOL_CALL_OPEN``
@@ -447,7 +398,7 @@ def finish_tool_turn(
 
 
 def decode_constrained(
-    engine: Any, prompt_ids: Sequence[int], params: SamplingParams, request: ToolRequest | None = None,
+    engine: LocalEngine, prompt_ids: Sequence[int], params: SamplingParams, request: ToolRequest | None = None,
     schema: dict[str, Any] | None = None, *, token_masks: bool = True,
 ) -> tuple[ConstrainedResult, str]:
     """An answer decoded under its schema from the first token, and its message content: a call of

@@ -20,6 +20,14 @@ Determinism:
 Which KV gets cached: a node's step enters the prefix cache when the node is expanded (its prompt is
 the parent's path plus the step; only the step is computed, the rest is a cache hit). Children the
 beam drops are never prefilled, so they cost no cache memory.
+
+Early stop (``early_stop="length"``, ``"confidence"`` or an ``EarlyStopConfig``): each expansion's
+``breadth`` children run under their own ``EarlyStopMonitor``, so a child that rambles past the tail
+cut, or whose token confidence falls below its siblings' threshold, is stopped as a self-consistency
+branch would be. A stopped child (status ``"stopped"``) stays in the tree with the text it had, but
+the beam never keeps it, so it is never expanded and its KV is never cached. Children are scored, not
+voted, so the vote rules (``decided``, ``answered``, ``adaptive``) do not apply. The monitor reads only
+each child's own tokens, so the tree still does not depend on batching (``expand_together``).
 """
 
 from __future__ import annotations
@@ -33,15 +41,27 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
+from ..protocol import LocalEngine
+from ..results import Completion
 from .cgee import CGEEConfig
-from .config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
-from .datasets import Problem, check_problems, few_shot_messages
-from .reasoning import resolve_extractor, resolve_verifier
-from .types import Completion
+from .early_stop import (
+    EARLY_STOP_RULES,
+    ConfidenceConfig,
+    EarlyStopConfig,
+    EarlyStopMonitor,
+    EarlyStopReport,
+    LengthConfig,
+)
+from .few_shot import Problem, check_problems, few_shot_messages
+from .self_consistency import resolve_extractor, resolve_verifier
 from .verifier import Verifier, as_verifier
 
 PathScorer = Callable[[str, Sequence[str]], Sequence[float]]
 SCORER_NAMES = ("confidence", "judge")
+# The early-stop rules that apply to a node's children: they judge each child by its own tokens. The
+# others (decided, answered, adaptive) reason about a vote, and a beam scores its children instead.
+SEARCH_EARLY_STOP_RULES = ("confidence", "length")
 # Sampling of each step when ``tree_search`` is given no ``params`` (seeded, so the tree is reproducible).
 DEFAULT_SEARCH_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=48, seed=0)
 
@@ -61,7 +81,9 @@ class SearchNode:
         is_final: The path ended here: an answer (``final_marker``), EOS, a user stop string, or
             the context window.
         status: ``"root"``, ``"expanded"`` (its children were generated), ``"kept"`` (in the beam,
-            not expanded: a final node or the last level), or ``"pruned"`` (dropped by the beam).
+            not expanded: a final node or the last level), ``"pruned"`` (dropped by the beam), or
+            ``"stopped"`` (an early-stop rule stopped it or left it out: never ranked by the beam, never
+            expanded; its text and tokens are what it had generated, ``is_final`` as that step reads).
         children: Indices of its children.
     """
 
@@ -94,6 +116,11 @@ class SearchResult:
         wall_s: Wall time of the search.
         cache_bytes_trace: Bytes held by the prefix cache after each expansion, in order, to see
             the search grow against the RSBCM budget.
+        early_stop: None when early stop was off; else totals over every expansion: ``rules`` (those
+            that ran), ``expansions``, ``children_launched``, ``children_stopped`` (nodes with status
+            ``"stopped"``), ``children_cancelled`` (those of them cut while decoding, the ones that saved
+            tokens; the rest finished and were left out by the confidence filter), ``decode_tokens``
+            (tokens the children decoded), and ``stopped_by`` (per rule, children it stopped).
     """
 
     answer: str | None
@@ -104,6 +131,7 @@ class SearchResult:
     num_expansions: int
     wall_s: float
     cache_bytes_trace: list[int] = field(default_factory=list)
+    early_stop: dict[str, Any] | None = None
 
     def path(self, index: int) -> list[SearchNode]:
         """Nodes from the root to ``nodes[index]``."""
@@ -115,7 +143,8 @@ class SearchResult:
         return out[::-1]
 
     def format_tree(self) -> str:
-        """The tree as indented lines: ``[index] score status | step text``."""
+        """The tree as indented lines: ``[index] score status | step text`` (status as in
+        ``SearchNode``, ``stopped`` included); ``*`` marks the best path."""
         lines: list[str] = []
         on_best_path = {n.index for n in self.best_path}
 
@@ -138,7 +167,7 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-def _resolve_scorer(engine: Any, scorer: str | Verifier | PathScorer) -> Verifier | None:
+def _resolve_scorer(engine: LocalEngine, scorer: str | Verifier | PathScorer) -> Verifier | None:
     """None means path confidence; anything else scores path texts."""
     if isinstance(scorer, str):
         if scorer not in SCORER_NAMES:
@@ -150,8 +179,46 @@ def _resolve_scorer(engine: Any, scorer: str | Verifier | PathScorer) -> Verifie
     raise TypeError(f"scorer must be a Verifier, a callable or one of {list(SCORER_NAMES)}, got {type(scorer).__name__}")
 
 
+def resolve_search_early_stop(value: None | str | EarlyStopConfig) -> EarlyStopConfig | None:
+    """The early-stop configuration a tree search runs for each expansion's children, or None (off).
+
+    A rule name (``"length"``, ``"confidence"``) means that rule alone with its defaults. An
+    ``EarlyStopConfig`` runs its ``length`` and ``confidence`` rules; its ``decided`` flag is ignored
+    (``decided`` is on by default in ``EarlyStopConfig``, so it says nothing about what the caller
+    wants here, and the beam has no vote for it to decide); ``answered`` or ``adaptive`` set, or
+    neither ``length`` nor ``confidence``, is refused.
+
+    Raises:
+        ValueError: a vote rule (by name or set in the config), an unknown name, or a config with no
+            rule that applies to a tree's children.
+        TypeError: anything but None, a name or an ``EarlyStopConfig``.
+    """
+    expected = f"None, an EarlyStopConfig or one of {list(SEARCH_EARLY_STOP_RULES)}"
+    why = "a node's children are scored and ranked by the beam, not voted"
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value == "length":
+            return EarlyStopConfig(decided=False, length=LengthConfig())
+        if value == "confidence":
+            return EarlyStopConfig(decided=False, confidence=ConfidenceConfig())
+        if value in EARLY_STOP_RULES:
+            raise ValueError(f"early_stop={value!r} does not apply to tree search: {why}; use {expected}")
+        raise ValueError(f"early_stop must be {expected}, got {value!r}")
+    if not isinstance(value, EarlyStopConfig):
+        raise TypeError(f"early_stop must be {expected}, got {type(value).__name__}")
+    vote_rules = [name for name in ("answered", "adaptive") if getattr(value, name) is not None]
+    if vote_rules:
+        raise ValueError(f"early_stop.{vote_rules[0]} does not apply to tree search: {why}; "
+                         f"set only early_stop.length or early_stop.confidence")
+    if value.length is None and value.confidence is None:
+        raise ValueError("early_stop has no rule that applies to tree search: set early_stop.length or "
+                         f"early_stop.confidence (decided is ignored: {why})")
+    return replace(value, decided=False)
+
+
 def tree_search(
-    engine: Any,
+    engine: LocalEngine,
     question: str,
     *,
     breadth: int = 3,
@@ -168,6 +235,7 @@ def tree_search(
     cgee: CGEEConfig | None = None,
     progress: bool = False,
     expand_together: bool = True,
+    early_stop: None | str | EarlyStopConfig = None,
 ) -> SearchResult:
     """Beam search over reasoning steps; see ``RKSCEngine.tree_search``.
 
@@ -193,6 +261,11 @@ def tree_search(
         progress: Show a progress bar over levels.
         expand_together: Submit all expansions of a level at once, so the scheduler decodes them in
             one batch (default). False expands one node per call; the tree is the same either way.
+        early_stop: None (default: every child runs to its step's end), ``"length"``, ``"confidence"``
+            or an ``EarlyStopConfig``: each expansion's children run under their own
+            ``EarlyStopMonitor`` and those it stops or leaves out get status ``"stopped"`` and are never
+            kept or expanded. Only ``length`` and ``confidence`` apply (children are scored, not
+            voted): ``answered``/``adaptive`` raise ``ValueError``; ``decided`` is ignored.
 
     Returns:
         A ``SearchResult``.
@@ -236,6 +309,7 @@ def tree_search(
     cgee = CGEEConfig() if cgee is None else cgee
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig or None, got {type(cgee).__name__}")
+    stop_config = resolve_search_early_stop(early_stop)
     judge = _resolve_scorer(engine, scorer)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     root_ids = engine.encode(messages)
@@ -246,6 +320,8 @@ def tree_search(
     search = _Search(engine, question, root_ids, breadth, beam, step_delimiter, judge, params, final_marker,
                      demote_pruned, cgee)
     search.concurrent = expand_together
+    if stop_config is not None:
+        search.enable_early_stop(stop_config, extract)
     start = time.perf_counter()
     search.run(depth, progress)
     wall_s = time.perf_counter() - start
@@ -253,13 +329,13 @@ def tree_search(
     best_path = search.path(best.index)
     text = search.path_text(best.index)
     return SearchResult(extract(text), best_path, best.branch_score, text, search.nodes, search.num_expansions, wall_s,
-                        search.cache_bytes_trace)
+                        search.cache_bytes_trace, search.early_stop_totals)
 
 
 class _Search:
     """State of one search: the tree, each node's full token path, the beam."""
 
-    def __init__(self, engine: Any, question: str, root_ids: list[int], breadth: int, beam: int, delimiter: str,
+    def __init__(self, engine: LocalEngine, question: str, root_ids: list[int], breadth: int, beam: int, delimiter: str,
                  judge: Verifier | None, params: SamplingParams, final_marker: str | None, demote_pruned: bool,
                  cgee: CGEEConfig) -> None:
         self.engine, self.question, self.breadth, self.beam = engine, question, breadth, beam
@@ -277,6 +353,18 @@ class _Search:
         self.demoted: set[int] = set()
         self.num_expansions = 0
         self.cache_bytes_trace: list[int] = []
+        self.early_stop: EarlyStopConfig | None = None
+        self.extract: Callable[[str], str | None] | None = None
+        self.early_stop_totals: dict[str, Any] | None = None
+
+    def enable_early_stop(self, config: EarlyStopConfig, extract: Callable[[str], str | None]) -> None:
+        """Run every expansion's children under an ``EarlyStopMonitor`` of ``config`` (already
+        checked by ``resolve_search_early_stop``); ``extract`` is the search's answer extractor."""
+        self.early_stop, self.extract = config, extract
+        rules = [name for name in SEARCH_EARLY_STOP_RULES if getattr(config, name) is not None]
+        self.early_stop_totals = {"rules": rules, "expansions": 0, "children_launched": 0, "children_stopped": 0,
+                                  "children_cancelled": 0, "decode_tokens": 0,
+                                  "stopped_by": {rule: 0 for rule in rules}}
 
     def run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
@@ -284,7 +372,14 @@ class _Search:
             if not children:
                 break
             self._score(children)
-            ranked = sorted(children, key=lambda i: (-self.nodes[i].branch_score, i))
+            # Stopped children keep their score for inspection but never compete for the beam.
+            ranked = sorted((i for i in children if self.nodes[i].status != "stopped"),
+                            key=lambda i: (-self.nodes[i].branch_score, i))
+            if not ranked:
+                # Early stop left no child of this level: nothing to keep or expand. The search ends
+                # with this level's parents as the last beam (``best``); their paths were annotated
+                # live when expanded.
+                break
             kept = ranked[: self.beam]
             for i in ranked[self.beam:]:
                 self.nodes[i].status = "pruned"
@@ -299,12 +394,21 @@ class _Search:
         the scheduler decodes the whole level in one batch. Node ``i``'s children draw from seeds
         ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching."""
         handles = {}
+        monitors: dict[int, EarlyStopMonitor] = {}
         for index in frontier:
             ids = self.path_ids[index]
             if len(ids) >= self.engine.context_window - 1:
                 continue
             params = replace(self.params, seed=self.base_seed + index * self.breadth)
-            handles[index] = self.engine.submit(ids, self.breadth, params)
+            if self.early_stop is None:
+                handles[index] = self.engine.submit(ids, self.breadth, params)
+            else:
+                # One monitor per expansion: the rules compare a node's children with each other only
+                # (and read only their tokens, never the clock), so batching cannot change the tree.
+                monitor = monitors[index] = EarlyStopMonitor(self.early_stop, n=self.breadth, extract=self.extract,
+                                                             max_new_tokens=params.max_new_tokens)
+                handles[index] = self.engine.submit(ids, self.breadth, params, monitor=monitor,
+                                                    max_branches=self.breadth)
             if not self.concurrent:
                 handles[index] = handles[index].result()
         children = []
@@ -315,10 +419,35 @@ class _Search:
                 self.finished.append(index)
                 continue
             done = handles[index]
-            children += self._add_children(index, done if isinstance(done, list) else done.result())
+            children += self._add_children(index, done if isinstance(done, list) else done.result(),
+                                           monitors.get(index))
         return children
 
-    def _add_children(self, index: int, completions: list[Completion]) -> list[int]:
+    def _stopped_children(self, completions: list[Completion], monitor: EarlyStopMonitor | None) -> dict[int, str]:
+        """Per branch index of a child an early-stop rule took out, the rule; counted in the totals."""
+        if monitor is None:
+            return {}
+        report: EarlyStopReport = monitor.report()
+        stopped_by = dict(report.stopped_by)
+        stopped = {}
+        for completion, votes in zip(completions, monitor.voting(completions)):
+            if not votes:
+                # Not stopped while decoding: it finished and the confidence filter left it out (the
+                # only rule here that judges a finished branch).
+                stopped[completion.branch_index] = stopped_by.get(completion.branch_index, "confidence")
+        totals = self.early_stop_totals
+        totals["expansions"] += 1
+        totals["children_launched"] += report.branches_launched
+        totals["children_stopped"] += len(stopped)
+        totals["children_cancelled"] += sum(c.finish_reason == "cancelled" and c.branch_index in stopped
+                                            for c in completions)
+        totals["decode_tokens"] += report.decode_tokens
+        for rule in stopped.values():
+            totals["stopped_by"][rule] = totals["stopped_by"].get(rule, 0) + 1
+        return stopped
+
+    def _add_children(self, index: int, completions: list[Completion],
+                      monitor: EarlyStopMonitor | None = None) -> list[int]:
         node, ids = self.nodes[index], self.path_ids[index]
         self.num_expansions += 1
         self.cache_bytes_trace.append(self.engine.prefix_cache.total_bytes)
@@ -326,6 +455,7 @@ class _Search:
         self.expanded.append(index)
         self._annotate_path(index)  # the prefill just cached this node's step with default scores
         tokenizer = self.engine.tokenizer
+        stopped = self._stopped_children(completions, monitor)
         out = []
         for completion in completions:
             step_ids = [t for t in completion.token_ids if t not in self.engine.eos_token_ids]
@@ -339,6 +469,8 @@ class _Search:
                 path_logprob_sum=node.path_logprob_sum + sum(completion.logprobs),
                 path_num_tokens=node.path_num_tokens + len(completion.logprobs),
             )
+            if completion.branch_index in stopped:
+                child.status = "stopped"
             self.nodes.append(child)
             self.path_ids.append(ids + step_ids)
             node.children.append(child.index)

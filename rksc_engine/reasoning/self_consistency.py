@@ -7,7 +7,7 @@ one the full ``n`` branches would have voted for. The verifier, when CGEE lets i
 early-stopped vote (its candidates and shares), so where verification overturns a vote the picked
 answer can differ from the full run's; with verification skipped or no judge it cannot. Approximate rules (``"answered"``, ``"adaptive"``,
 ``"confidence"``) trade a measured rate of changed answers for fewer decoded tokens
-(``rksc_engine.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
+(``rksc_engine.reasoning.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
 
 Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
 multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
@@ -24,11 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import CGEEConfig, SamplingParams
+from ..protocol import LocalEngine
 from .answers import extract_gsm8k_answer, majority_vote
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
-from .config import CGEEConfig, SamplingParams
-from .datasets import Problem, check_problems, few_shot_messages
 from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
+from .few_shot import Problem, check_problems, few_shot_messages
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
 AnswerExtractor = Callable[[str], "str | None"]
@@ -89,7 +90,7 @@ class VerificationReport:
         verify_s: Wall time spent verifying.
         check_s: Part of ``verify_s`` spent on the layer-exit checks themselves.
         time_saved_s: An *estimate* of the wall time CGEE saved on this call against verifying every
-            candidate at full depth (see ``rksc_engine.verifier``): for a skip, the verifier's
+            candidate at full depth (see ``rksc_engine.reasoning.verifier``): for a skip, the verifier's
             measured full-depth cost per candidate times the candidates; for a pass that stopped
             early, its measured seconds per layer times the layers not run, minus the checks' cost,
             so it is negative when the checks cost more than they saved. 0 for full verification;
@@ -172,7 +173,7 @@ def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtracto
 _DEFAULT_JUDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verifier:
+def resolve_verifier(engine: LocalEngine, verifier: Verifier | Callable | None) -> Verifier:
     """The engine's own default judge (one per engine) for None, a ``Verifier`` as is, or a callable
     wrapped as a ``CallableVerifier``."""
     if verifier is None:
@@ -187,7 +188,7 @@ def resolve_verifier(engine: Any, verifier: Verifier | Callable | None) -> Verif
 
 
 def reason(
-    engine: Any,
+    engine: LocalEngine,
     question: str,
     *,
     n: int = 8,
@@ -214,7 +215,7 @@ def reason(
     return finish_reasoning(plan, completions, time.perf_counter() - start, monitor)
 
 
-def launch_branches(engine: Any, plan: ReasoningPlan) -> tuple[Any, EarlyStopMonitor | None]:
+def launch_branches(engine: LocalEngine, plan: ReasoningPlan) -> tuple[Any, EarlyStopMonitor | None]:
     """Start ``plan``'s branches: with early stop, a submitted request watched by its monitor (the
     ``RequestHandle`` and the monitor); without, the completions of all ``n`` branches and None."""
     if plan.early_stop is None:
@@ -224,7 +225,7 @@ def launch_branches(engine: Any, plan: ReasoningPlan) -> tuple[Any, EarlyStopMon
     return submit_branches(engine, plan.messages, plan.n, plan.params, monitor), monitor
 
 
-def submit_branches(engine: Any, prompt: Any, n: int, params: SamplingParams,
+def submit_branches(engine: LocalEngine, prompt: Any, n: int, params: SamplingParams,
                     monitor: EarlyStopMonitor | None) -> Any:
     """Submit ``n`` branches of ``prompt``, watched by ``monitor`` when there is one (it launches its
     first wave and may add the rest); the ``RequestHandle``."""
@@ -243,7 +244,7 @@ def branch_answers(completions: Sequence[Any], extract: AnswerExtractor,
             for c, answer, votes in zip(completions, monitor.answers(completions), monitor.voting(completions))]
 
 
-async def areason(engine: Any, question: str, **kwargs: Any) -> ReasoningResult:
+async def areason(engine: LocalEngine, question: str, **kwargs: Any) -> ReasoningResult:
     """``reason`` for asyncio: the branches are awaited from the scheduler (the event loop stays
     free while they decode, batched with every other request); the verifier's one pass runs in a
     worker thread. Same arguments and result as ``reason``."""
@@ -273,13 +274,13 @@ class ReasoningPlan:
     early_stop: EarlyStopConfig | None = None
 
 
-def default_cgee(engine: Any) -> CGEEConfig:
+def default_cgee(engine: LocalEngine) -> CGEEConfig:
     """The CGEE thresholds ``reason`` uses when given none: the engine's ``EngineConfig.cgee``, else the defaults."""
     return getattr(getattr(engine, "config", None), "cgee", None) or CGEEConfig()
 
 
 def plan_reasoning(
-    engine: Any,
+    engine: LocalEngine,
     question: str,
     *,
     n: int = 8,

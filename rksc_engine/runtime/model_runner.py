@@ -1,0 +1,174 @@
+"""The model runner: the only code that calls the model. It owns the forward pass, its
+out-of-memory roll-back and retry, what the model is (device, dtype, context window, KV size, EOS
+ids), and the one-time probe of the batched shared-prefix decode.
+
+Callers hold the engine lock (``runtime.lock``); the runner takes no lock itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..kvcache.memory import run_with_oom_retry
+from ..kvcache.radix import RadixPrefixCache
+from ..kvcache.shared_prefix import ProbeResult, probe
+from .stats import Counters
+
+logger = logging.getLogger(__name__)
+# Inconclusive shared-prefix probes (exceptions) tolerated before the fast path is given up.
+MAX_PROBE_ATTEMPTS = 3
+
+
+class ModelRunner:
+    """Runs the forward passes of one ``transformers`` causal LM.
+
+    Args:
+        model: The model (put in eval mode).
+        tokenizer: Its tokenizer (for the EOS ids and the context window's fallback).
+        config: The engine's settings (``rsbcm`` out-of-memory recovery, ``decode_attention``).
+        prefix_cache: The radix cache whose budget shrinks when a pass runs out of memory.
+        counters: Where out-of-memory retries and probe errors are counted.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, prefix_cache: RadixPrefixCache,
+                 counters: Counters) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.prefix_cache = prefix_cache
+        self.counters = counters
+        first_param = next(model.parameters())
+        self.device, self.dtype = first_param.device, first_param.dtype
+        self.eos_token_ids = _collect_eos_ids(model, tokenizer)
+        self._tokenizer_max_length = tokenizer.model_max_length
+        # transformers 5.x renamed the forward's `past_key_values` to `cache`; support both.
+        forward_params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        # The prompt tokens the largest request being served needs: an out-of-memory shrink of the
+        # cache budget never goes below them (the scheduler, which knows its requests, sets it).
+        self.min_budget_tokens: Callable[[], int] = lambda: 0
+        self.shared_prefix_probe: ProbeResult | None = None  # probed on first decode
+        self._probe_failures = 0
+        self._oom_since_relax = False
+
+    # -- what the model is ----------------------------------------------------------------------
+    @property
+    def text_config(self) -> Any:
+        config = self.model.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", None) or self._tokenizer_max_length)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes over all layers (keys and values), at the model's dtype."""
+        cfg = self.text_config
+        num_heads = int(cfg.num_attention_heads)
+        num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        return 2 * int(cfg.num_hidden_layers) * num_kv_heads * head_dim * self.dtype.itemsize
+
+    @property
+    def model_name(self) -> str:
+        # A local directory's name ("SmolLM2-135M-Instruct"), not its full cache path.
+        name = str(getattr(self.model.config, "_name_or_path", "") or "")
+        return Path(name).name if name else type(self.model).__name__
+
+    def supports_prefix_cache(self) -> bool:
+        """Whether every cache layer keeps the whole prefix, so slicing it into the radix tree is exact
+        (sliding-window and other exotic layers do not)."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        layers = DynamicCache(config=self.model.config).layers
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    # -- passes ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        """One model pass over ``input_ids`` (B, T) after ``cache`` that survives running out of
+        memory: on ``torch.OutOfMemoryError`` / ``MemoryError`` the cache is rolled back, the prefix
+        cache evicts and shrinks its budget (``rsbcm.oom_budget_shrink``), and the pass is retried,
+        ``rsbcm.oom_max_attempts`` tries in all; then ``ForwardOutOfMemoryError``."""
+        return self.run_with_oom_retry(
+            lambda: self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache}, **kwargs), cache
+        )
+
+    def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final
+        hidden states (B, T, hidden), with the same out-of-memory roll-back and retry."""
+        body = self.model.get_decoder()
+        return self.run_with_oom_retry(
+            lambda: body(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache}), cache
+        ).last_hidden_state
+
+    def run_with_oom_retry(self, forward: Callable[[], Any], cache: Any) -> Any:
+        rsbcm = self.config.rsbcm
+        return run_with_oom_retry(forward, cache, on_oom=self._free_memory_after_oom,
+                                  max_attempts=rsbcm.oom_max_attempts, backoff_s=rsbcm.oom_backoff_s)
+
+    def _free_memory_after_oom(self, error: BaseException, attempt: int) -> None:
+        self.counters.count("oom_retries")
+        self._oom_since_relax = True
+        # Never below what the largest prompt being served needs, or the cache could not hold it.
+        floor = self.min_budget_tokens() * self.kv_bytes_per_token
+        self.prefix_cache.shrink_budget(self.config.rsbcm.oom_budget_shrink, min_budget_bytes=max(1, floor))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def request_finished(self) -> None:
+        """A request finished: if no pass ran out of memory since the last one, memory pressure has
+        eased, so a budget shrunk by an earlier out-of-memory error grows back a step."""
+        cache = self.prefix_cache
+        if self._oom_since_relax:
+            self._oom_since_relax = False
+        elif cache.budget_bytes < cache.configured_budget_bytes:
+            cache.relax_budget(self.config.rsbcm.oom_budget_restore)
+
+    # -- the batched decode's probe ---------------------------------------------------------------
+    def decodes_with_shared_prefix(self) -> bool:
+        """Whether branches decode through ``SharedPrefixCache`` (config ``decode_attention``).
+
+        ``"auto"`` probes the model once (``shared_prefix.probe``) and falls back to the plain
+        ``DynamicCache`` path if it fails; ``"shared_prefix"`` raises instead."""
+        mode = self.config.decode_attention
+        if mode == "dynamic_cache":
+            return False
+        if self.shared_prefix_probe is None:
+            result = probe(self.model, self.forward)
+            if result.inconclusive:
+                # No verdict: this request takes the plain path; a later one probes again, and after
+                # a few failures in a row the path is given up (and the reason kept in the probe).
+                self.counters.count("shared_prefix_probe_errors")
+                self._probe_failures += 1
+                logger.warning("shared-prefix probe did not complete (%s); retrying on a later request",
+                               result.reason)
+                if self._probe_failures < MAX_PROBE_ATTEMPTS:
+                    if mode == "shared_prefix":
+                        raise RuntimeError(f"the shared-prefix probe did not complete: {result.reason}")
+                    return False
+            self.shared_prefix_probe = result
+        if mode == "shared_prefix" and not self.shared_prefix_probe.supported:
+            raise ValueError(
+                "decode_attention='shared_prefix' is not supported by this model "
+                f"({self.shared_prefix_probe.reason}); use 'auto' or 'dynamic_cache'"
+            )
+        return self.shared_prefix_probe.supported
+
+
+def _collect_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
