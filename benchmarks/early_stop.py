@@ -1,6 +1,6 @@
-"""Benchmark: early stop of self-consistency (``rksc_engine.early_stop``) against running every branch.
+"""Benchmark: early stop of self-consistency (``rksc_engine.reasoning.early_stop``) against running every branch.
 
-Three steps, each its own subcommand:
+Three steps, each its own subcommand, and ``tree`` for tree search:
 
 ``record``
     Runs every question's ``--branches`` branches to their ends (``early_stop=None``) and saves each
@@ -25,12 +25,18 @@ Three steps, each its own subcommand:
     side on the same seeds: ``early_stop=None`` (token-exact prefix caching, today's default
     pipeline), ``decided`` and the chosen approximate rule, question by question in rotated order.
 
+``tree``
+    ``engine.tree_search`` with its children stopped early (``--rules``, default ``length`` and
+    ``confidence``) against every child run to its step's end, side by side on the same seeds:
+    wall time, decode tokens, children stopped, right answers and chosen answers changed.
+
     ./dev python benchmarks/early_stop.py record --workload ladder --per-level 8 --out benchmarks/results/es_ladder.jsonl
     ./dev python benchmarks/early_stop.py record --workload gsm8k --data ../shared/data/gsm8k_train.jsonl --questions 100 \
         --out benchmarks/results/es_gsm8k.jsonl
     ./dev python benchmarks/early_stop.py replay benchmarks/results/es_ladder.jsonl benchmarks/results/es_gsm8k.jsonl \
         --md docs/bench/early_stop_replay.md --plot docs/bench/early_stop.png
     ./dev python benchmarks/early_stop.py live --workload ladder --per-level 3 --rules "length q0.5 x2,length q0.25 x1.25"
+    ./dev python benchmarks/early_stop.py tree --workload ladder --per-level 3
 """
 
 from __future__ import annotations
@@ -487,10 +493,55 @@ def live(args: argparse.Namespace) -> dict:
     return out
 
 
+# -- tree search ----------------------------------------------------------------------------------
+def tree(args: argparse.Namespace) -> dict:
+    """``engine.tree_search`` with its children stopped early, side by side with every child run to
+    its step's end, on the same seeds, arms rotated per question."""
+    engine = RKSCEngine.from_pretrained(args.model)
+    shots, questions = load_workload(args)
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_step_tokens)
+    arms: dict[str, str | None] = {"off": None}
+    for rule in filter(None, (args.rules or "").split(",")):
+        arms[rule] = rule
+    totals = {arm: {"wall_s": 0.0, "decode_tokens": 0, "right": 0, "changed": 0, "children_stopped": 0,
+                    "nodes": 0} for arm in arms}
+    search = {"breadth": args.breadth, "depth": args.depth, "beam": args.beam, "few_shot": shots}
+    engine.tree_search(questions[0].question, **{**search, "depth": 1},
+                       params=replace(params, max_new_tokens=4, seed=0))  # warm-up
+    for i, q in enumerate(tqdm(questions, desc="questions")):
+        order = list(arms)[i % len(arms):] + list(arms)[:i % len(arms)]
+        answers = {}
+        for arm in order:
+            engine.clear_cache()
+            before = engine.stats().decode_tokens
+            result = engine.tree_search(q.question, **search, params=replace(params, seed=question_seed(i)),
+                                        early_stop=arms[arm])
+            row = totals[arm]
+            row["wall_s"] += result.wall_s
+            row["decode_tokens"] += engine.stats().decode_tokens - before
+            row["right"] += result.answer == q.answer
+            row["nodes"] += len(result.nodes)
+            row["children_stopped"] += (result.early_stop or {}).get("children_stopped", 0)
+            answers[arm] = result.answer
+        for arm in arms:
+            totals[arm]["changed"] += answers[arm] != answers["off"]
+    base = totals["off"]
+    out = {"questions": len(questions), **{k: v for k, v in search.items() if k != "few_shot"},
+           "max_step_tokens": args.max_step_tokens, "arms": {}}
+    for arm, row in totals.items():
+        out["arms"][arm] = {**row, "speedup": base["wall_s"] / row["wall_s"],
+                            "tokens_fewer": base["decode_tokens"] / max(1, row["decode_tokens"])}
+        print(f"{arm:>12}: {row['wall_s']:.1f}s ({out['arms'][arm]['speedup']:.2f}x), decode tokens "
+              f"{row['decode_tokens']} ({out['arms'][arm]['tokens_fewer']:.2f}x fewer), children stopped "
+              f"{row['children_stopped']} of {row['nodes'] - len(questions)}, right {row['right']}/{len(questions)}, "
+              f"answers changed {row['changed']}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("record", "live"):
+    for name in ("record", "live", "tree"):
         p = sub.add_parser(name)
         p.add_argument("--model", default=None)
         p.add_argument("--workload", choices=("ladder", "gsm8k"), default="ladder")
@@ -512,6 +563,13 @@ def main() -> None:
     lv = sub.choices["live"]
     lv.add_argument("--rules", default=None, help="comma-separated approximate rules' labels from the replay table")
     lv.add_argument("--json-out", default=None)
+    tr = sub.choices["tree"]
+    tr.add_argument("--rules", default="length,confidence", help="comma-separated early_stop values for tree_search")
+    tr.add_argument("--breadth", type=int, default=3)
+    tr.add_argument("--depth", type=int, default=4)
+    tr.add_argument("--beam", type=int, default=2)
+    tr.add_argument("--max-step-tokens", type=int, default=48)
+    tr.add_argument("--json-out", default=None)
     rp = sub.add_parser("replay")
     rp.add_argument("records", nargs="+")
     rp.add_argument("--model", default=None, help="the tokenizer the records were made with (default model)")
@@ -536,7 +594,7 @@ def main() -> None:
         if args.plot:
             plot(report, Path(args.plot))
     else:
-        out = live(args)
+        out = live(args) if args.command == "live" else tree(args)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(out, indent=1))
 

@@ -136,7 +136,7 @@ def shared_prefix_attention(
         layer = cache.layers[module.layer_idx]
         prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
                   for k, v in layer.segments]
-        return _merge_with_suffix(query, prefix, key, value, scale, fused), None
+        return _combine([_partials(query, prefix, key, value, scale, fused)], query.shape, query.dtype), None
     # Several requests in one batch. A prefix segment (a radix-cache node) that several requests
     # share is read once, with all their queries in one product; each request then merges its own
     # segments in its own order and attends to its own suffixes, so every row sees exactly the
@@ -146,7 +146,7 @@ def shared_prefix_attention(
         (keys, values), group_layer = layer.views[0], layer.group_layers[0]
         prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
                   for k, v in group_layer.segments]
-        return _merge_with_suffix(query, prefix, keys, values, scale, fused), None
+        return _combine([_partials(query, prefix, keys, values, scale, fused)], query.shape, query.dtype), None
     num_kv_heads = key.shape[1]
     per_group: list[list] = [[None] * len(g.segments) for g in layer.group_layers]
     for (seg_k, seg_v), users in layer.shared_segments():
@@ -160,11 +160,76 @@ def shared_prefix_attention(
             per_group[g][position] = _rows_to_branches(out[:, :, offset:offset + width], lse[:, :, offset:offset + width],
                                                       r.shape[0])
             offset += width
-    parts = []
-    for g, ((start, stop), (keys, values)) in enumerate(zip(cache.row_ranges, layer.views)):
-        parts.append(_merge_with_suffix(query[start:stop], per_group[g], keys, values, scale, fused))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out, None
+    partials = [_partials(query[start:stop], per_group[g], keys, values, scale, fused)
+                for g, ((start, stop), (keys, values)) in enumerate(zip(cache.row_ranges, layer.views))]
+    return _combine(partials, query.shape, query.dtype), None
+
+
+def _merge_prefix_segments(prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's prefix segments' partial results (in position order) merged into one."""
+    out_p, lse_p = prefix[0]
+    for out_i, lse_i in prefix[1:]:  # exact merge of two partial softmaxes (see ``_combine``)
+        out_p = torch.lerp(out_p, out_i, _vector_aligned(torch.sigmoid, lse_i - lse_p)[..., None])
+        lse_p = _vector_aligned(torch.logaddexp, lse_p, lse_i)
+    return out_p, lse_p
+
+
+# PyTorch's CPU elementwise kernels run whole SIMD vectors and finish a tensor's last few elements
+# with scalar code, and for transcendental functions (sigmoid, logaddexp) the two can differ in the
+# last bit. Which elements are last depends on how many rows share the tensor, so a row's result
+# would depend on its batch. Padding to a multiple of every vector width sends every element through
+# the vector code, whatever the batch.
+VECTOR_ALIGNMENT = 64
+
+
+def _vector_aligned(fn: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` (elementwise, same shapes) computed so that an element's value does not
+    depend on the other elements of the tensor (see ``VECTOR_ALIGNMENT``)."""
+    if tensors[0].device.type != "cpu":
+        return fn(*tensors)
+    count = tensors[0].numel()
+    pad = -count % VECTOR_ALIGNMENT
+    flat = [torch.nn.functional.pad(t.reshape(-1), (0, pad)) for t in tensors]
+    return fn(*flat)[:count].reshape(tensors[0].shape)
+
+
+# One request's attention as partial softmaxes: its prefix segments' (output, log-sum-exp) pairs in
+# position order, then its suffix's output and log-sum-exp.
+Partials = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]
+
+
+def _combine(partials: list[Partials], query_shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Each request's partial softmaxes (``_partials``, in batch order) merged into the attention
+    output (B, T, H, D) of the whole batch, in one set of operations for all requests: a step of
+    many small requests pays for the merge once, not once per request.
+
+    A request with fewer prefix segments than another is padded with empty ones (no mass: output 0,
+    log-sum-exp -inf), which leave its partials exactly as they are. The suffix's share of the total
+    softmax mass is exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p), so the merged
+    output is a lerp (three ops per layer instead of six, which matters at ~60 small ops per layer
+    per step)."""
+    batch, num_heads, num_new, head_dim = query_shape
+    if len(partials) == 1:
+        segments, out_s, lse_s = partials[0]
+    else:
+        segments = []
+        for position in range(max(len(prefix) for prefix, _, _ in partials)):
+            outs, lses = [], []
+            for prefix, _, _ in partials:
+                if position < len(prefix):
+                    out_i, lse_i = prefix[position]
+                else:
+                    out_i = torch.zeros_like(prefix[0][0])
+                    lse_i = torch.full_like(prefix[0][1], float("-inf"))
+                outs.append(out_i)
+                lses.append(lse_i)
+            segments.append((torch.cat(outs), torch.cat(lses)))
+        out_s = torch.cat([out for _, out, _ in partials])
+        lse_s = torch.cat([lse for _, _, lse in partials])
+    out_p, lse_p = _merge_prefix_segments(segments)
+    out = torch.lerp(out_p, out_s, _vector_aligned(torch.sigmoid, lse_s - lse_p)[..., None])
+    out = out.reshape(batch, num_heads, num_new, head_dim).to(dtype)
+    return out.transpose(1, 2).contiguous()
 
 
 def _prefix_rows(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -194,25 +259,21 @@ def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch
     return _rows_to_branches(out, lse, batch) if batch is not None else (out, lse)
 
 
-def _merge_with_suffix(
+def _partials(
     query: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]], key: torch.Tensor, value: torch.Tensor,
     scale: float, fused: bool,
-) -> torch.Tensor:
-    """One request's attention output from its prefix segments' partial results (in position order,
-    each (B, H_kv, G*T, D) and (B, H_kv, G*T)) and its branches' own suffixes.
+) -> Partials:
+    """One request's attention as partial softmaxes, for ``_combine``: its prefix segments' partial
+    results (``prefix``, in position order, each (B, H_kv, G*T, D) and (B, H_kv, G*T)), and its
+    branches' attention over their own suffixes.
 
     ``query`` (B, H, T, D); ``key``/``value`` (B, H_kv, S, D), the suffixes with the T new tokens
-    last. Returns (B, T, H, D)."""
+    last. Returns ``(prefix, out_s, lse_s)``, the suffix's shaped as the segments'."""
     batch, num_heads, num_new, head_dim = query.shape
     num_kv_heads, suffix_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads  # GQA: head h reads KV head h // group
     # Query rows of one KV head: its group's heads of every branch and new token.
     q = query.reshape(batch, num_kv_heads, group * num_new, head_dim)  # (B, H_kv, G*T, D)
-    out_p, lse_p = prefix[0]
-    for out_i, lse_i in prefix[1:]:  # exact merge of two partial softmaxes (see below)
-        out_p = torch.lerp(out_p, out_i, torch.sigmoid(lse_i - lse_p)[..., None])
-        lse_p = torch.logaddexp(lse_p, lse_i)
-
     # Suffix: each branch against its own tokens; new token i sees suffix positions <= S - T + i.
     # One new token sees the whole suffix, so the fused kernel needs no mask (the decode case).
     fused_out = fused_cpu_attention(q, key, value, scale) if fused and num_new == 1 else None
@@ -227,13 +288,7 @@ def _merge_with_suffix(
             mask = visible.repeat(group, 1)  # rows of q are (group, token) pairs, token fastest
         out_s, lse_s = partial_attention(q, key, value, scale, mask)  # (B, H_kv, G*T, D), (B, H_kv, G*T)
 
-    # Exact merge of the two partial softmaxes: the suffix's share of the total softmax mass is
-    # exp(lse_s) / (exp(lse_p) + exp(lse_s)) = sigmoid(lse_s - lse_p), so the merged output is a lerp
-    # (three ops per layer instead of six, which matters at ~60 small ops per layer per step).
-    suffix_share = torch.sigmoid(lse_s - lse_p)[..., None]
-    out = torch.lerp(out_p, out_s, suffix_share)
-    out = out.reshape(batch, num_heads, num_new, head_dim).to(query.dtype)
-    return out.transpose(1, 2).contiguous()
+    return prefix, out_s, lse_s
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)

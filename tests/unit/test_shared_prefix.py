@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
+    BatchDecodeCache,
     SharedPrefixCache,
     attention_implementation,
     probe,
@@ -231,3 +232,57 @@ def test_a_prefill_cache_that_cannot_be_shared_decodes_through_the_plain_path(ti
     assert not SharedPrefixCache.can_share(cache)
     decode_cache = tiny_engine.scheduler._decode_cache(cache, 1, 8, shared_prefix=True)
     assert decode_cache is cache
+
+
+def _requests_for_batching(seed: int):
+    """Three requests (1, 8 and 2 rows) over different prefix segments, suffixes of 5 tokens each,
+    and the next token's queries and KV: tensors only, so each arm builds fresh caches from them."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_dim, group = 3, 64, 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    requests = []
+    for rows, segment_lengths in ((1, (37,)), (8, (20, 30)), (2, (12,))):
+        segments = [(randn(1, num_kv_heads, n, head_dim), randn(1, num_kv_heads, n, head_dim)) for n in segment_lengths]
+        suffix = (randn(rows, num_kv_heads, 5, head_dim), randn(rows, num_kv_heads, 5, head_dim))
+        new = (randn(rows, num_kv_heads, 1, head_dim), randn(rows, num_kv_heads, 1, head_dim))
+        query = randn(rows, num_kv_heads * group, 1, head_dim)
+        requests.append((rows, segments, suffix, new, query))
+    return requests, group
+
+
+def _decode_step(requests, group):
+    caches = []
+    for rows, segments, (suffix_k, suffix_v), _, _ in requests:
+        cache = SharedPrefixCache.from_segments([list(segments)], rows, suffix_capacity=8)
+        cache.layers[0].update(suffix_k, suffix_v)
+        caches.append(cache)
+    batch = BatchDecodeCache(caches)
+    new_k = torch.cat([new[0] for *_, new, _ in requests])
+    new_v = torch.cat([new[1] for *_, new, _ in requests])
+    query = torch.cat([q for *_, q in requests])
+    keys, values = batch.layers[0].update(new_k, new_v)
+    out, _ = shared_prefix_attention(_AttentionModule(group), query, keys, values, None,
+                                     scaling=query.shape[-1] ** -0.5, **batch.forward_kwargs())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_requests_rows_are_bit_identical_alone_and_batched_with_other_requests(seed):
+    requests, group = _requests_for_batching(seed)
+    alone = [_decode_step([request], group) for request in requests]
+    assert torch.equal(_decode_step(requests, group), torch.cat(alone))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_branch_is_bit_identical_alone_and_among_its_siblings(seed):
+    """Row ``i`` of a request of 8 branches against the same branch decoded as a request of one:
+    the prefix segments' merge and the suffix's merge must not depend on how many rows share them
+    (PyTorch's elementwise kernels finish a tensor's tail with scalar code, see VECTOR_ALIGNMENT)."""
+    (_, (rows, segments, suffix, new, query), _), group = _requests_for_batching(seed)
+    together = _decode_step([(rows, segments, suffix, new, query)], group)
+    for i in range(rows):
+        one = (1, segments, tuple(t[i:i + 1] for t in suffix), tuple(t[i:i + 1] for t in new), query[i:i + 1])
+        assert torch.equal(_decode_step([one], group), together[i:i + 1]), f"branch {i} changed among its siblings"

@@ -1,0 +1,142 @@
+"""Benchmark: independent requests against sibling branches of one request, row for row, and where a
+decode step's time goes.
+
+Both arms decode the same number of rows, greedy, ``--max-new-tokens`` each, on chat prompts of
+about the same length:
+
+* ``independent``: ``rows`` single-branch requests, each its own chat turn, submitted together (the
+  plain-chat workload of a server);
+* ``siblings``: one request of ``rows`` branches of one chat turn (the multi-branch workload). Greedy
+  siblings decode the same tokens, so the rows' work is the same as the independent arm's.
+
+For each batch size (``--rows``, default 1,4,8,16,32,64) it reports decode tokens/s of both arms
+and their ratio, measured side by side (arms alternated, prefix cache cleared before each run).
+With ``--profile ROWS`` it also runs ``torch.profiler`` over both arms at that size and prints the
+top operators by self CPU time: what a step spends per request, beyond the rows.
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/batch_curve.py --profile 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rksc_engine import RKSCEngine, SamplingParams
+
+DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "batch_curve.json"
+TOPICS = ("rivers", "bread", "owls", "volcanoes", "chess", "tides", "bees", "glass", "comets", "maps",
+          "tea", "bridges", "whales", "clocks", "salt", "kites")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
+    parser.add_argument("--rows", default="1,4,8,16,32,64", help="comma-separated batch sizes (default 1,4,8,16,32,64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per row (default 64)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
+    parser.add_argument("--profile", type=int, default=None, help="profile one step loop at this many rows")
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    args = parser.parse_args(argv)
+    try:
+        args.row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if any(r < 1 for r in args.row_counts):
+        parser.error("--rows must all be >= 1")
+    for name in ("max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.profile is not None and args.profile < 1:
+        parser.error("--profile must be >= 1")
+    return args
+
+
+def chat(i: int) -> list[dict[str, str]]:
+    topic = TOPICS[i % len(TOPICS)]
+    return [{"role": "user", "content": f"Write a long essay about {topic} (essay {i})."}]
+
+
+def independent(engine: RKSCEngine, rows: int, params: SamplingParams) -> int:
+    handles = [engine.submit(chat(i), 1, params) for i in range(rows)]
+    return sum(len(c.token_ids) for h in handles for c in h.result())
+
+
+def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> int:
+    return sum(len(c.token_ids) for c in engine.submit(chat(0), rows, params).result())
+
+
+ARMS = {"independent": independent, "siblings": siblings}
+
+
+def curve(engine: RKSCEngine, args: argparse.Namespace) -> list[dict]:
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    table = []
+    for rows in args.row_counts:
+        walls: dict[str, list[float]] = {name: [] for name in ARMS}
+        tokens: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for name, arm in ARMS.items():
+                engine.clear_cache()
+                start = time.perf_counter()
+                tokens[name] = arm(engine, rows, params)
+                walls[name].append(time.perf_counter() - start)
+        row = {"rows": rows}
+        for name in ARMS:
+            row[f"{name}_tok_s"] = tokens[name] / statistics.median(walls[name])
+            row[f"{name}_tokens"] = tokens[name]
+        row["ratio"] = row["independent_tok_s"] / row["siblings_tok_s"]
+        print(f"| {rows} | {row['independent_tok_s']:.1f} | {row['siblings_tok_s']:.1f} | {row['ratio']:.2f} |",
+              flush=True)
+        table.append(row)
+    return table
+
+
+def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    out = {}
+    submits = {"independent": lambda: [engine.submit(chat(i), 1, params) for i in range(rows)],
+               "siblings": lambda: [engine.submit(chat(0), rows, params)]}
+    for name, submit in submits.items():
+        engine.clear_cache()
+        # The profiler records the thread it runs on, so this thread drives the steps itself: inside
+        # ``exclusive()`` the scheduler's own thread cannot take a step.
+        with engine.exclusive():
+            handles = submit()
+            steps = engine.scheduler.num_steps
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                while not all(h.done() for h in handles):
+                    engine.scheduler.step()
+            steps = engine.scheduler.num_steps - steps
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+        total = sum(e.self_cpu_time_total for e in prof.key_averages())
+        out[name + "_steps"] = steps
+        out[name] = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                      "share": e.self_cpu_time_total / total} for e in events]
+        print(f"\n{name}, {rows} rows, {steps} steps: top operators by self CPU time (total {total / 1e6:.1f} s, "
+              f"{total / 1e3 / steps:.0f} ms a step)")
+        print("| op | calls | self CPU ms | share |\n|---|---:|---:|---:|")
+        for e in out[name]:
+            print(f"| `{e['op']}` | {e['calls']:,} | {e['self_cpu_ms']:.0f} | {e['share']:.1%} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine = RKSCEngine.from_pretrained(args.model)
+    engine.generate("warm up", SamplingParams(max_new_tokens=4))
+    print("| rows | independent tok/s | siblings tok/s | independent / siblings |\n|---:|---:|---:|---:|")
+    report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, args)}
+    if args.profile is not None:
+        report["profile"] = profile(engine, args.profile, args)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
