@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rksc_engine.config import check_type
 from rksc_engine.evaluation.workloads import LADDER_LEVELS
 from rksc_engine.reasoning.few_shot import CHOICE_SYSTEM_PROMPT, SYSTEM_PROMPT
 
@@ -94,7 +95,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {self.workload!r}")
-        _check_type("levels", self.levels, (tuple, list))
+        check_type("levels", self.levels, (tuple, list))
         levels = tuple(self.levels)
         if (not levels or not all(isinstance(x, int) and not isinstance(x, bool) and x in LADDER_LEVELS for x in levels)
                 or len(set(levels)) != len(levels)):
@@ -106,14 +107,14 @@ class BenchConfig:
                              "run a GSM8K JSONL with workload 'gsm8k'")
         for name, low in (("questions", 1), ("branches", 1), ("shots", 0), ("max_new_tokens", 1), ("seed", 0), ("tree_depth", 0)):
             value = getattr(self, name)
-            _check_type(name, value, int)
+            check_type(name, value, int)
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        _check_type("ensemble", self.ensemble, int)
+        check_type("ensemble", self.ensemble, int)
         if not 1 <= self.ensemble <= MAX_ENSEMBLE or self.branches % self.ensemble:
             raise ValueError(f"ensemble must be in [1, {MAX_ENSEMBLE}] and divide branches "
                              f"({self.branches}), got {self.ensemble}")
-        _check_type("tree_budget_mb", self.tree_budget_mb, (int, float))
+        check_type("tree_budget_mb", self.tree_budget_mb, (int, float))
         if not self.tree_budget_mb > 0:
             raise ValueError(f"tree_budget_mb must be > 0, got {self.tree_budget_mb}")
         unknown = [a for a in self.arms if a not in ARMS]
@@ -126,12 +127,3 @@ class BenchConfig:
         """``"gsm8k"`` or ``"choice"``: how this workload's answers are asked for, extracted and judged."""
         return ANSWER_FORMATS[self.workload]
 
-
-def _check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
-    """``TypeError`` unless ``value`` is an ``expected``; a bool is never taken for an int."""
-    kinds = expected if isinstance(expected, tuple) else (expected,)
-    names = " or ".join(t.__name__ for t in kinds)
-    if isinstance(value, bool) and bool not in kinds:
-        raise TypeError(f"{name} must be {names}, got bool")
-    if not isinstance(value, expected):
-        raise TypeError(f"{name} must be {names}, got {type(value).__name__}")

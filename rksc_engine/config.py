@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 
-def _check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
+def check_type(name: str, value: object, expected: type | tuple[type, ...]) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is an ``expected``; a bool is never taken for an int."""
     # bool is an int subclass; a flag passed where a count is expected is a bug, not a 1.
     if isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,)):
         raise TypeError(f"{name} must be {_type_name(expected)}, got bool")
@@ -97,16 +98,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _check_type("max_new_tokens", self.max_new_tokens, int)
+        check_type("max_new_tokens", self.max_new_tokens, int)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _check_type("temperature", self.temperature, (int, float))
+        check_type("temperature", self.temperature, (int, float))
         if not 0 <= self.temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
-        _check_type("top_p", self.top_p, (int, float))
+        check_type("top_p", self.top_p, (int, float))
         if not 0 < self.top_p <= 1:  # also rejects NaN and inf
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_type("top_k", self.top_k, int)
+        check_type("top_k", self.top_k, int)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         stop = self.stop
@@ -118,7 +119,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None:
-            _check_type("seed", self.seed, int)
+            check_type("seed", self.seed, int)
             if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [0, {MAX_SEED}] (MAX_SEED, leaving room for seed + i of "
                                  f"every branch) or None, got {self.seed}")
@@ -142,7 +143,7 @@ class PrefixCacheConfig:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        _check_type("prefix_cache.enabled", self.enabled, bool)
+        check_type("prefix_cache.enabled", self.enabled, bool)
 
 
 # The radix cache's eviction policies by name (``kvcache.radix.EVICTION_POLICIES`` implements each).
@@ -183,28 +184,28 @@ class RSBCMConfig:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        _check_type("rsbcm.enabled", self.enabled, bool)
-        _check_type("rsbcm.cache_budget_mb", self.cache_budget_mb, (int, float))
+        check_type("rsbcm.enabled", self.enabled, bool)
+        check_type("rsbcm.cache_budget_mb", self.cache_budget_mb, (int, float))
         if not self.cache_budget_mb > 0 or self.cache_budget_mb == float("inf"):
             raise ValueError(f"rsbcm.cache_budget_mb must be > 0 and finite, got {self.cache_budget_mb}")
         if self.budget_bytes < 1:
             raise ValueError(f"rsbcm.cache_budget_mb must be at least one byte, got {self.cache_budget_mb}")
-        _check_type("rsbcm.block_size", self.block_size, int)
+        check_type("rsbcm.block_size", self.block_size, int)
         if self.block_size < 1:
             raise ValueError(f"rsbcm.block_size must be >= 1, got {self.block_size}")
-        _check_type("rsbcm.policy", self.policy, str)
+        check_type("rsbcm.policy", self.policy, str)
         if self.policy not in EVICTION_POLICY_NAMES:
             raise ValueError(f"rsbcm.policy must be one of {sorted(EVICTION_POLICY_NAMES)}, got {self.policy!r}")
-        _check_type("rsbcm.oom_max_attempts", self.oom_max_attempts, int)
+        check_type("rsbcm.oom_max_attempts", self.oom_max_attempts, int)
         if self.oom_max_attempts < 1:
             raise ValueError(f"rsbcm.oom_max_attempts must be >= 1, got {self.oom_max_attempts}")
-        _check_type("rsbcm.oom_budget_shrink", self.oom_budget_shrink, (int, float))
+        check_type("rsbcm.oom_budget_shrink", self.oom_budget_shrink, (int, float))
         if not 0 < self.oom_budget_shrink < 1:
             raise ValueError(f"rsbcm.oom_budget_shrink must be in (0, 1), got {self.oom_budget_shrink}")
-        _check_type("rsbcm.oom_budget_restore", self.oom_budget_restore, (int, float))
+        check_type("rsbcm.oom_budget_restore", self.oom_budget_restore, (int, float))
         if not 1 < self.oom_budget_restore <= 1024:
             raise ValueError(f"rsbcm.oom_budget_restore must be in (1, 1024], got {self.oom_budget_restore}")
-        _check_type("rsbcm.oom_backoff_s", self.oom_backoff_s, (int, float))
+        check_type("rsbcm.oom_backoff_s", self.oom_backoff_s, (int, float))
         if not 0 <= self.oom_backoff_s <= 60:
             raise ValueError(f"rsbcm.oom_backoff_s must be in [0, 60], got {self.oom_backoff_s}")
 
@@ -249,18 +250,18 @@ class CGEEConfig:
 
     def __post_init__(self) -> None:
         for name in ("skip_enabled", "exit_enabled"):
-            _check_type(f"cgee.{name}", getattr(self, name), bool)
+            check_type(f"cgee.{name}", getattr(self, name), bool)
         for name in ("tau_conf", "margin"):
             value = getattr(self, name)
-            _check_type(f"cgee.{name}", value, (int, float))
+            check_type(f"cgee.{name}", value, (int, float))
             if not 0 <= value <= 1:
                 raise ValueError(f"cgee.{name} must be in [0, 1], got {value}")
         for name in ("theta", "epsilon"):
             value = getattr(self, name)
-            _check_type(f"cgee.{name}", value, (int, float))
+            check_type(f"cgee.{name}", value, (int, float))
             if not value > 0:
                 raise ValueError(f"cgee.{name} must be > 0, got {value}")
-        _check_type("cgee.min_layer", self.min_layer, int)
+        check_type("cgee.min_layer", self.min_layer, int)
         if self.min_layer < 0:
             raise ValueError(f"cgee.min_layer must be >= 0, got {self.min_layer}")
 
@@ -330,18 +331,18 @@ class ASKSConfig:
         return cls(enabled=True, tau=1.0, reuse_chunks=True, recompute_fraction=recompute_fraction, **overrides)
 
     def __post_init__(self) -> None:
-        _check_type("asks.enabled", self.enabled, bool)
-        _check_type("asks.reuse_chunks", self.reuse_chunks, bool)
-        _check_type("asks.chunk_separator", self.chunk_separator, str)
+        check_type("asks.enabled", self.enabled, bool)
+        check_type("asks.reuse_chunks", self.reuse_chunks, bool)
+        check_type("asks.chunk_separator", self.chunk_separator, str)
         if not self.chunk_separator:
             raise ValueError("asks.chunk_separator must be a non-empty string")
         if self.reuse_chunks and not self.enabled:
             raise ValueError("asks.reuse_chunks needs asks.enabled=True (chunk reuse is approximate, as ASKS is)")
-        _check_type("asks.recompute_selection", self.recompute_selection, str)
+        check_type("asks.recompute_selection", self.recompute_selection, str)
         if self.recompute_selection not in RECOMPUTE_SELECTIONS:
             raise ValueError(f"asks.recompute_selection must be one of {list(RECOMPUTE_SELECTIONS)}, "
                              f"got {self.recompute_selection!r}")
-        _check_type("asks.max_mean_deviation", self.max_mean_deviation, (int, float))
+        check_type("asks.max_mean_deviation", self.max_mean_deviation, (int, float))
         if not self.max_mean_deviation >= 0:
             raise ValueError(f"asks.max_mean_deviation must be >= 0, got {self.max_mean_deviation}")
         if self.max_mean_deviation != math.inf and self.recompute_selection != "deviation":
@@ -349,15 +350,15 @@ class ASKSConfig:
                              "(the deviation is measured by its probe)")
         for name in ("tau", "recompute_fraction"):
             value = getattr(self, name)
-            _check_type(f"asks.{name}", value, (int, float))
+            check_type(f"asks.{name}", value, (int, float))
             if not 0 <= value <= 1:
                 raise ValueError(f"asks.{name} must be in [0, 1], got {value}")
-        _check_type("asks.alpha", self.alpha, (int, float))
+        check_type("asks.alpha", self.alpha, (int, float))
         if not self.alpha >= 0 or self.alpha == float("inf"):
             raise ValueError(f"asks.alpha must be finite and >= 0, got {self.alpha}")
         for name in ("max_span_tokens", "min_reuse_tokens", "max_candidates"):
             value = getattr(self, name)
-            _check_type(f"asks.{name}", value, int)
+            check_type(f"asks.{name}", value, int)
             if value < 1:
                 raise ValueError(f"asks.{name} must be >= 1, got {value}")
 
@@ -382,7 +383,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_prefill_tokens"):
             value = getattr(self, name)
-            _check_type(f"scheduler.{name}", value, int)
+            check_type(f"scheduler.{name}", value, int)
             if value < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {value}")
 
@@ -418,19 +419,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _check_type("rsbcm", self.rsbcm, RSBCMConfig)
+        check_type("rsbcm", self.rsbcm, RSBCMConfig)
         if self.prefix_cache is not None:
-            _check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
+            check_type("prefix_cache", self.prefix_cache, PrefixCacheConfig)
             warnings.warn("EngineConfig(prefix_cache=PrefixCacheConfig(enabled=...)) is deprecated: use "
                           "EngineConfig(rsbcm=RSBCMConfig(enabled=...))", DeprecationWarning, stacklevel=3)
             # One config per cache: fold the old switch into rsbcm, so nothing reads two places.
             object.__setattr__(self, "rsbcm", replace(self.rsbcm, enabled=self.rsbcm.enabled and self.prefix_cache.enabled))
             object.__setattr__(self, "prefix_cache", None)
-        _check_type("cgee", self.cgee, CGEEConfig)
-        _check_type("asks", self.asks, ASKSConfig)
-        _check_type("scheduler", self.scheduler, SchedulerConfig)
-        _check_type("trust_remote_code", self.trust_remote_code, bool)
-        _check_type("decode_attention", self.decode_attention, str)
+        check_type("cgee", self.cgee, CGEEConfig)
+        check_type("asks", self.asks, ASKSConfig)
+        check_type("scheduler", self.scheduler, SchedulerConfig)
+        check_type("trust_remote_code", self.trust_remote_code, bool)
+        check_type("decode_attention", self.decode_attention, str)
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(
                 f"decode_attention must be one of {list(DECODE_ATTENTION_MODES)}, got {self.decode_attention!r}"
