@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine import RequestHandle, RKSCEngine, SamplingParams
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "batch_curve.json"
 TOPICS = ("rivers", "bread", "owls", "volcanoes", "chess", "tides", "bees", "glass", "comets", "maps",
@@ -62,15 +62,15 @@ def chat(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a long essay about {topic} (essay {i})."}]
 
 
-def independent(engine: RKSCEngine, rows: int, params: SamplingParams) -> int:
-    handles = [engine.submit(chat(i), 1, params) for i in range(rows)]
-    return sum(len(c.token_ids) for h in handles for c in h.result())
+def independent(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[RequestHandle]:
+    return [engine.submit(chat(i), 1, params) for i in range(rows)]
 
 
-def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> int:
-    return sum(len(c.token_ids) for c in engine.submit(chat(0), rows, params).result())
+def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[RequestHandle]:
+    return [engine.submit(chat(0), rows, params)]
 
 
+# Each arm submits its requests and returns their handles.
 ARMS = {"independent": independent, "siblings": siblings}
 
 
@@ -84,7 +84,7 @@ def curve(engine: RKSCEngine, args: argparse.Namespace) -> list[dict]:
             for name, arm in ARMS.items():
                 engine.clear_cache()
                 start = time.perf_counter()
-                tokens[name] = arm(engine, rows, params)
+                tokens[name] = sum(len(c.token_ids) for h in arm(engine, rows, params) for c in h.result())
                 walls[name].append(time.perf_counter() - start)
         row = {"rows": rows}
         for name in ARMS:
@@ -100,14 +100,12 @@ def curve(engine: RKSCEngine, args: argparse.Namespace) -> list[dict]:
 def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     out = {}
-    submits = {"independent": lambda: [engine.submit(chat(i), 1, params) for i in range(rows)],
-               "siblings": lambda: [engine.submit(chat(0), rows, params)]}
-    for name, submit in submits.items():
+    for name, arm in ARMS.items():
         engine.clear_cache()
         # The profiler records the thread it runs on, so this thread drives the steps itself: inside
         # ``exclusive()`` the scheduler's own thread cannot take a step.
         with engine.exclusive():
-            handles = submit()
+            handles = arm(engine, rows, params)
             steps = engine.scheduler.num_steps
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 while not all(h.done() for h in handles):
