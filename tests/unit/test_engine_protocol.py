@@ -19,11 +19,6 @@ from rksc_engine.protocol import Engine, LocalEngine
 # ``model_name`` answers without asking the server.
 NO_SERVER = "http://127.0.0.1:9/v1"
 
-# Members that do not yet match, each with what is wrong; the test for them is a strict xfail, so it
-# fails once the engine is fixed and the entry must be removed. Empty: both engines match.
-KNOWN_GAPS: dict[tuple[str, str], str] = {}
-
-
 def protocol_members(protocol: type) -> dict[str, Any]:
     """The members ``protocol`` declares, its own and those of the protocols it extends: methods and
     properties by name, data members (annotations) as None."""
@@ -131,9 +126,7 @@ def member_cases(members: dict[str, Any], engines: tuple[type, ...]) -> list[Any
     cases = []
     for name in sorted(members):
         for engine in engines:
-            gap = KNOWN_GAPS.get((engine.__name__, name))
-            marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-            cases.append(pytest.param(engine, name, members[name], id=f"{engine.__name__}.{name}", marks=marks))
+            cases.append(pytest.param(engine, name, members[name], id=f"{engine.__name__}.{name}"))
     return cases
 
 
