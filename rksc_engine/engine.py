@@ -36,6 +36,7 @@ from .config import EngineConfig, SamplingParams, check_request_shape
 from .kvcache.radix import RadixPrefixCache
 from .kvcache.shared_prefix import initial_suffix_capacity
 from .results import Completion, EngineStats, StreamChunk
+from .runtime.cpu_threads import release_openmp_workers
 from .runtime.handle import BranchMonitor, LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .runtime.loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .runtime.model_runner import ModelRunner
@@ -81,6 +82,8 @@ class RKSCEngine:
         self._prompts = PromptEncoder(tokenizer, int(model.config.vocab_size), config.asks, cacheable)
         self.scheduler = Scheduler(self.runner, self._prefill, tokenizer, config.scheduler, self._counters)
         self._lock = self.scheduler.lock
+        # This thread loaded the model; the scheduler's thread runs it from now on.
+        release_openmp_workers()
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod

@@ -48,6 +48,7 @@ from ..kvcache.shared_prefix import (
     initial_suffix_capacity,
 )
 from ..results import BranchEvent, Completion, EngineStats, StreamChunk
+from .cpu_threads import release_openmp_workers
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import ModelRunner
@@ -94,7 +95,7 @@ class Scheduler:
         self.prefix_cache = prefiller.prefix_cache
         # Whoever lets go of the engine last (a step, a verifier pass, an exclusive() block) publishes
         # the stats snapshot that stats() returns while someone else holds it.
-        self.lock = EngineLock(on_release=self.publish_stats)
+        self.lock = EngineLock(on_release=self._on_release)
         self._published_stats = EngineStats()
         runner.min_budget_tokens = self.largest_prompt_tokens
         self._cv = threading.Condition()
@@ -225,6 +226,14 @@ class Scheduler:
         self._published_stats = snapshot
         return snapshot
 
+    def _on_release(self) -> None:
+        """Run by whoever lets go of the engine: publish the stats, and when that is a thread other
+        than the loop's (an ``exclusive()`` block, a verifier pass), let its OpenMP workers go, so the
+        loop's own are the process's only ones (``cpu_threads``)."""
+        self.publish_stats()
+        if threading.current_thread() is not self._thread:
+            release_openmp_workers()
+
     def reset_stats(self) -> None:
         """Zero the counters and the peaks (the caller holds the engine)."""
         self.counters.reset()
@@ -262,6 +271,7 @@ class Scheduler:
                     self._thread = None
                     return
                 if not self._has_work():
+                    release_openmp_workers()  # out of work: other threads may use the CPUs now
                     self._cv.wait(IDLE_EXIT_S)
                     if not self._has_work():
                         self._thread = None
