@@ -7,7 +7,9 @@ about the same length:
 * ``independent``: ``rows`` single-branch requests, each its own chat turn, submitted together (the
   plain-chat workload of a server);
 * ``siblings``: one request of ``rows`` branches of one chat turn (the multi-branch workload). Greedy
-  siblings decode the same tokens, so the rows' work is the same as the independent arm's.
+  siblings decode the same tokens, so the rows' work is the same as the independent arm's;
+* ``one_by_one``: the independent requests again, on the same model with ``packed_prefill`` off, so
+  each prompt is prefilled in a forward of its own.
 
 For each batch size (``--rows``, default 1,4,8,16,32,64) it reports decode tokens/s of both arms
 and their ratio, measured side by side (arms alternated, prefix cache cleared before each run).
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rksc_engine import RequestHandle, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RequestHandle, RKSCEngine, SamplingParams, SchedulerConfig
 
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "batch_curve.json"
 TOPICS = ("rivers", "bread", "owls", "volcanoes", "chess", "tides", "bees", "glass", "comets", "maps",
@@ -74,25 +76,29 @@ def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[Requ
 ARMS = {"independent": independent, "siblings": siblings}
 
 
-def curve(engine: RKSCEngine, args: argparse.Namespace) -> list[dict]:
+def curve(engine: RKSCEngine, one_by_one: RKSCEngine, args: argparse.Namespace) -> list[dict]:
+    """The table; ``one_by_one`` is the same model with ``packed_prefill`` off, for a third column:
+    independent requests whose prompts are prefilled one forward each."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    runs = [(name, engine, arm) for name, arm in ARMS.items()] + [("one_by_one", one_by_one, independent)]
     table = []
     for rows in args.row_counts:
-        walls: dict[str, list[float]] = {name: [] for name in ARMS}
+        walls: dict[str, list[float]] = {name: [] for name, _, _ in runs}
         tokens: dict[str, int] = {}
         for _ in range(args.repeats):
-            for name, arm in ARMS.items():
-                engine.clear_cache()
+            for name, runner, arm in runs:
+                runner.clear_cache()
                 start = time.perf_counter()
-                tokens[name] = sum(len(c.token_ids) for h in arm(engine, rows, params) for c in h.result())
+                tokens[name] = sum(len(c.token_ids) for h in arm(runner, rows, params) for c in h.result())
                 walls[name].append(time.perf_counter() - start)
         row = {"rows": rows}
-        for name in ARMS:
+        for name, _, _ in runs:
             row[f"{name}_tok_s"] = tokens[name] / statistics.median(walls[name])
             row[f"{name}_tokens"] = tokens[name]
         row["ratio"] = row["independent_tok_s"] / row["siblings_tok_s"]
-        print(f"| {rows} | {row['independent_tok_s']:.1f} | {row['siblings_tok_s']:.1f} | {row['ratio']:.2f} |",
-              flush=True)
+        row["packed_gain"] = row["independent_tok_s"] / row["one_by_one_tok_s"]
+        print(f"| {rows} | {row['independent_tok_s']:.1f} | {row['one_by_one_tok_s']:.1f} | "
+              f"{row['siblings_tok_s']:.1f} | {row['ratio']:.2f} | {row['packed_gain']:.2f}x |", flush=True)
         table.append(row)
     return table
 
@@ -127,9 +133,13 @@ def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine = RKSCEngine.from_pretrained(args.model)
-    engine.generate("warm up", SamplingParams(max_new_tokens=4))
-    print("| rows | independent tok/s | siblings tok/s | independent / siblings |\n|---:|---:|---:|---:|")
-    report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, args)}
+    one_by_one = RKSCEngine(engine.model, engine.tokenizer,
+                            EngineConfig(scheduler=SchedulerConfig(packed_prefill=False)))
+    for warm in (engine, one_by_one):
+        warm.generate("warm up", SamplingParams(max_new_tokens=4))
+    print("| rows | independent tok/s | independent, prompts prefilled one by one | siblings tok/s | "
+          "independent / siblings | packed prefill gain |\n|---:|---:|---:|---:|---:|---:|")
+    report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, one_by_one, args)}
     if args.profile is not None:
         report["profile"] = profile(engine, args.profile, args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

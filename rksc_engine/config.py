@@ -375,10 +375,15 @@ class SchedulerConfig:
             longer than this is prefilled in chunks of this size over several steps (chunked
             prefill), so running branches never wait on more than one chunk. Chunking changes the
             prompt's KV only by float rounding (shorter matrix products). Default 4096.
+        packed_prefill: Prefill the prompts admitted in one step together, in one forward, instead
+            of one forward each (default True). Tokens are the same; the prompts' KV may differ in
+            the last bits from a prompt prefilled alone, as any batched matrix product's do. False
+            prefills every prompt on its own, so a request's KV never depends on its neighbours.
     """
 
     max_batch_rows: int = 64
     max_prefill_tokens: int = 4096
+    packed_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_prefill_tokens"):
@@ -386,6 +391,7 @@ class SchedulerConfig:
             check_type(f"scheduler.{name}", value, int)
             if value < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {value}")
+        check_type("scheduler.packed_prefill", self.packed_prefill, bool)
 
 
 DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")

@@ -110,6 +110,7 @@ class Prefiller:
         self.asks_config = asks_config
         self.cacheable = cacheable
         self.counters = counters
+        self._packs_prompts: bool | None = None
 
     # -- prompts --------------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int]) -> Prefilled:
@@ -175,6 +176,99 @@ class Prefiller:
             if node is not None:
                 self.prefix_cache.unlock(node)
         return Prefilled(token_ids, cache, out.logits[:, -1, :], matched)
+
+    def packs_prompts(self) -> bool:
+        """Whether ``prefill_packed`` may serve prompts here: every prompt takes the token-exact path
+        (ASKS cannot act) and the model's cache layers keep the whole prefix."""
+        if self._packs_prompts is None:  # the model and the settings are fixed for the engine's life
+            config = self.asks_config
+            asks_may_act = config.enabled and config.tau < 1.0 and self.cacheable
+            self._packs_prompts = not asks_may_act and self.runner.supports_prefix_cache()
+        return self._packs_prompts
+
+    def prefill_packed(self, prompts: Sequence[list[int]]) -> list[Prefilled]:
+        """Several prompts' KV in one forward: each prompt's longest cached prefix served by the radix
+        cache, and every prompt's remaining tokens packed into one row, each token attending to its
+        own prompt only (a block-diagonal causal mask) at its own positions. The linear layers read
+        their weights once for all prompts instead of once per prompt.
+
+        Token-exact like ``prefill``; the bits may differ from a prompt prefilled alone, as a batched
+        matmul's do. Counted like as many ``prefill`` calls. Callers use it only where
+        ``packs_prompts()`` holds and give prompts that share no uncached prefix (each would compute
+        it again)."""
+
+        if len(prompts) < 1:
+            raise ValueError("prefill_packed needs at least one prompt")
+        matches: list[tuple[Any, int, Any]] = []
+        try:
+            for prompt_ids in prompts:
+                matches.append(self.cache_for_prefix(list(prompt_ids)))
+            with torch.inference_mode():
+                prefilled = self._packed_pass([list(p) for p in prompts], matches)
+                if self.cacheable:
+                    for result in prefilled:
+                        self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
+        finally:
+            for _, _, node in matches:
+                if node is not None:
+                    self.prefix_cache.unlock(node)
+        count = self.counters.count
+        for result in prefilled:
+            matched = result.num_cached_tokens
+            count("prefills")
+            count("prompt_tokens_computed", len(result.prompt_ids) - matched)
+            count("prompt_tokens_reused", matched)
+            count("cache_hits" if matched else "cache_misses")
+        count("packed_prefills")
+        return prefilled
+
+    def _packed_pass(self, prompts: list[list[int]], matches: list[tuple[Any, int, Any]]) -> list[Prefilled]:
+        from transformers import DynamicCache
+
+        device, dtype = self.runner.device, self.runner.dtype
+        model_config = self.runner.model.config
+        matched = [m for _, m, _ in matches]
+        new_tokens = [prompt[m:] for prompt, m in zip(prompts, matched)]
+        num_prefix, num_new = sum(matched), sum(len(t) for t in new_tokens)
+        # The packed cache: every prompt's cached prefix, one after another.
+        with_prefix = [cache for cache, m, _ in matches if m]
+        if with_prefix:
+            num_layers = len(with_prefix[0].layers)
+            layers = [(torch.cat([c.layers[i].keys for c in with_prefix], dim=2),
+                       torch.cat([c.layers[i].values for c in with_prefix], dim=2)) for i in range(num_layers)]
+            packed = DynamicCache(ddp_cache_data=layers, config=model_config)
+        else:
+            packed = DynamicCache(config=model_config)
+        visible = torch.zeros(num_new, num_prefix + num_new, dtype=torch.bool, device=device)
+        positions, last_rows = [], []
+        prefix_start = new_start = 0
+        for m, tokens in zip(matched, new_tokens):
+            rows = slice(new_start, new_start + len(tokens))
+            visible[rows, prefix_start:prefix_start + m] = True
+            visible[rows, num_prefix + new_start:num_prefix + new_start + len(tokens)] = torch.ones(
+                len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
+            positions.append(torch.arange(m, m + len(tokens), device=device))
+            last_rows.append(new_start + len(tokens) - 1)
+            prefix_start += m
+            new_start += len(tokens)
+        mask = torch.zeros(1, 1, num_new, num_prefix + num_new, dtype=dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        input_ids = torch.tensor([[t for tokens in new_tokens for t in tokens]], device=device)
+        out = self.runner.forward(input_ids, packed, logits_to_keep=torch.tensor(last_rows, device=device),
+                                  position_ids=torch.cat(positions)[None], attention_mask=mask)
+        logits = out.logits[0]  # (prompts, V)
+        results = []
+        prefix_start = new_start = 0
+        for index, (prompt, m, tokens) in enumerate(zip(prompts, matched, new_tokens)):
+            spans = [(prefix_start, prefix_start + m), (num_prefix + new_start, num_prefix + new_start + len(tokens))]
+            layers = [(torch.cat([layer.keys[:, :, a:b] for a, b in spans if b > a], dim=2),
+                       torch.cat([layer.values[:, :, a:b] for a, b in spans if b > a], dim=2))
+                      for layer in packed.layers]
+            cache = DynamicCache(ddp_cache_data=layers, config=model_config)
+            results.append(Prefilled(prompt, cache, logits[index:index + 1], m))
+            prefix_start += m
+            new_start += len(tokens)
+        return results
 
     def _prefill_with_chunks(self, prompt_ids: list[int], segments: Sequence[tuple[int, int]]) -> Prefilled | None:
         """Prefill with retrieved chunks' KV reused at their positions in this prompt

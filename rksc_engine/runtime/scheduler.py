@@ -345,21 +345,40 @@ class Scheduler:
     def _admit(self) -> None:
         """Advance the requests whose long prompts are being prefilled in chunks, then start waiting
         requests, while the step's prefill budget (``max_prefill_tokens``) and the batch's rows last.
-        The first prefill of a step always runs, so no prompt waits forever."""
+        The first prefill of a step always runs, so no prompt waits forever.
+
+        Prompts that fit the budget whole are gathered into a pack and prefilled in one forward
+        (``packed_prefill``), as long as none shares an uncached prefix with an earlier one in the
+        pack: such a prompt waits for the pack to be prefilled and cached, then reuses it."""
         config = self.config
         budget = config.max_prefill_tokens
         for request in list(self._prefilling):
             if budget <= 0:
                 return
             budget -= self._prefill_more(request, budget)
+        pack: list[Request] = []
+        try:
+            self._admit_waiting(budget, pack)
+        except BaseException as error:  # the pack's requests are in no list the step's handler fails
+            failed, pack[:] = list(pack), []
+            for request in failed:
+                self._fail(request, _as_failure(error))
+            raise
+        self._prefill_pack(pack)
+
+    def _admit_waiting(self, budget: int, pack: list[Request]) -> None:
+        """Admit waiting requests within ``budget`` prompt tokens and the batch's rows. Prompts that
+        may be packed are gathered in ``pack`` (the caller prefills what is left in it)."""
+        config = self.config
+        packing = config.packed_prefill and self.prefiller.packs_prompts()
         while budget > 0:
             with self._cv:
                 if not self._waiting:
                     return
                 request = self._waiting[0]
-                rows = self.num_running_rows + sum(r.n for r in self._prefilling)
+                rows = self.num_running_rows + sum(r.n for r in [*self._prefilling, *pack])
                 limit = config.max_batch_rows if self._rows_cap is None else min(config.max_batch_rows, self._rows_cap)
-                if (self._running or self._prefilling) and rows + request.n > limit:
+                if (self._running or self._prefilling or pack) and rows + request.n > limit:
                     return
                 if budget < config.max_prefill_tokens and len(request.prompt_ids) > budget:
                     return  # not this step: its prompt would overrun what is left of the budget
@@ -372,10 +391,56 @@ class Scheduler:
             request.admissions += 1
             if request.admissions == 1:
                 self.counters.count("requests")
+            if packing and request.segments is None:
+                if pack and _shares_uncached_prefix(request, pack, self.prefiller):
+                    flushing, pack[:] = list(pack), []
+                    self._prefill_pack(flushing)
+                new_tokens = len(request.prompt_ids) - self.prefiller.cached_prefix_length(request.prompt_ids)
+                if new_tokens <= budget:
+                    pack.append(request)
+                    budget -= max(1, new_tokens)
+                    continue
+            flushing, pack[:] = list(pack), []
+            self._prefill_pack(flushing)
             request.prefill = self.prefiller.prefill_steps(request.prompt_ids, self._next_pass_tokens,
                                                            request.segments)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
+
+    def _prefill_pack(self, pack: list[Request]) -> None:
+        """Prefill the gathered prompts: one forward for two or more, the usual path for one. If the
+        packed forward fails, each prompt takes the usual path, and its own failure is its own."""
+        if len(pack) == 1:
+            pack[0].prefill = self.prefiller.prefill_steps(pack[0].prompt_ids, None)
+            self._prefilling.append(pack[0])
+            self._prefill_more(pack[0], len(pack[0].prompt_ids))
+            return
+        if not pack:
+            return
+        try:
+            prefilled = self.prefiller.prefill_packed([r.prompt_ids for r in pack])
+        except Exception:  # noqa: BLE001 - an optimisation: the usual path decides each request's fate
+            logger.warning("packed prefill of %d prompts failed; prefilling them one by one", len(pack),
+                           exc_info=True)
+            self.counters.count("packed_prefill_fallbacks")
+            for request in pack:
+                request.prefill = self.prefiller.prefill_steps(request.prompt_ids, None)
+                self._prefilling.append(request)
+                self._prefill_more(request, len(request.prompt_ids))
+            return
+        except BaseException as error:
+            for request in pack:
+                self._fail(request, _as_failure(error))
+            raise
+        for request, result in zip(pack, prefilled):
+            try:
+                self._start(request, result)
+            except Exception as error:
+                if not self._requeue_after_oom(request, error):
+                    self._fail(request, error)
+            except BaseException as error:
+                self._fail(request, _as_failure(error))
+                raise
 
     def _next_pass_tokens(self) -> int:
         return self._pass_tokens
@@ -765,6 +830,22 @@ class Scheduler:
             seed=request.seed,
             asks=request.asks,
         )
+
+
+def _shares_uncached_prefix(request: Request, pack: list[Request], prefiller: Prefiller) -> bool:
+    """Whether ``request``'s prompt begins with more of a packed prompt than the radix cache holds:
+    prefilled in the same pack, it would compute that shared part again instead of reusing it."""
+    cached = prefiller.cached_prefix_length(request.prompt_ids)
+    prompt = request.prompt_ids
+    for other in pack:
+        common = 0
+        for a, b in zip(prompt, other.prompt_ids):
+            if a != b:
+                break
+            common += 1
+        if min(common, len(prompt) - 1) > cached:
+            return True
+    return False
 
 
 def _as_failure(error: BaseException) -> BaseException:

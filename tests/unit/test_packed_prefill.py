@@ -1,0 +1,119 @@
+"""Prompts admitted in one step are prefilled in one forward: same tokens, same reuse, faults contained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_char_tokenizer, make_tiny_model
+
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.config import SchedulerConfig
+
+PROMPTS = [
+    "The quick brown fox jumps over",
+    "Q: what is 2+3?\nA:",
+    "x",
+    "A much longer prompt, repeated. " * 6,
+    "Another one",
+]
+
+
+def engine_for(seed: int = 0, packed: bool = True) -> RKSCEngine:
+    return RKSCEngine(make_tiny_model(seed), make_char_tokenizer(),
+                      EngineConfig(scheduler=SchedulerConfig(packed_prefill=packed)))
+
+
+def hf_greedy(engine: RKSCEngine, prompt: str, max_new_tokens: int) -> tuple[int, ...]:
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.no_grad():
+        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def run_together(engine: RKSCEngine, jobs) -> list[list[tuple[int, ...]]]:
+    """Submit every job before any step runs, so one step admits them all."""
+    with engine.exclusive():
+        handles = [engine.submit(prompt, n, params) for prompt, n, params in jobs]
+        return [[c.token_ids for c in h.result()] for h in handles]
+
+
+def packed_prefills(engine: RKSCEngine) -> int:
+    return int(engine.stats().extra.get("packed_prefills", 0))
+
+
+@pytest.mark.parametrize("model_seed", [0, 1])
+def test_prompts_prefilled_in_one_forward_decode_what_transformers_generate_decodes(model_seed):
+    engine = engine_for(model_seed)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=16)) for p in PROMPTS])
+    assert packed_prefills(engine) == 1, "the five prompts were not prefilled together"
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 16), prompt
+
+
+def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_count_the_same_work():
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=20, seed=5)
+    jobs = [(p, 1 + i % 3, sampled if i % 2 else SamplingParams(max_new_tokens=20)) for i, p in enumerate(PROMPTS)]
+    results, stats = [], []
+    for packed in (True, False):
+        engine = engine_for(3, packed=packed)
+        results.append(run_together(engine, jobs))
+        stats.append(engine.stats())
+    assert results[0] == results[1]
+    assert packed_prefills(engine) == 0, "packed_prefill=False still packed"
+    for field in ("prefills", "prompt_tokens_computed", "prompt_tokens_reused", "cache_hits", "cache_misses"):
+        assert getattr(stats[0], field) == getattr(stats[1], field), field
+
+
+def test_a_packed_prompt_reuses_its_cached_prefix_and_is_cached_for_the_next_call():
+    engine = engine_for(0)
+    base = "A shared preamble that several prompts start with. "
+    engine.generate(base + "first", SamplingParams(max_new_tokens=1))  # caches the preamble
+    prompts = [base + "second question", base + "third one here", "unrelated"]
+    before = engine.stats()
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=12)) for p in prompts])
+    after = engine.stats()
+    assert packed_prefills(engine) == 1
+    reused = after.prompt_tokens_reused - before.prompt_tokens_reused
+    assert reused >= 2 * len(engine.encode(base)) - 2, "the packed prompts recomputed their cached preamble"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 12), prompt
+    # Each packed prompt went into the radix cache whole: asking again computes one token.
+    computed = engine.stats().prompt_tokens_computed
+    engine.generate(prompts[1], SamplingParams(max_new_tokens=1))
+    assert engine.stats().prompt_tokens_computed - computed == 1
+
+
+def test_prompts_sharing_an_uncached_prefix_are_not_packed_together_and_the_later_one_reuses_it():
+    engine = engine_for(0)
+    shared = "Exactly the same long opening for both of these prompts. "
+    prompts = [shared + "one", shared + "two"]
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    stats = engine.stats()
+    assert packed_prefills(engine) == 0
+    assert stats.prompt_tokens_reused >= len(engine.encode(shared)) - 1, "the second prompt recomputed the opening"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
+
+
+def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_lock(monkeypatch):
+    engine = engine_for(0)
+    want = [hf_greedy(engine, p, 10) for p in PROMPTS]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("packed forward failed")
+
+    monkeypatch.setattr(engine.scheduler.prefiller, "_packed_pass", broken)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
+    assert [tokens[0] for tokens in got] == want
+    stats = engine.stats()
+    assert stats.extra.get("packed_prefill_fallbacks") == 1
+    assert packed_prefills(engine) == 0
+    assert stats.prefills == len(PROMPTS)
+    engine.clear_cache()
+    assert engine.stats().cache_tokens == 0, "a node stayed locked after the failed packed forward"
+
+
+def test_packed_prefill_must_be_a_bool():
+    with pytest.raises(TypeError, match="scheduler.packed_prefill"):
+        SchedulerConfig(packed_prefill=1)
