@@ -19,6 +19,7 @@ import torch
 
 from ..config import ASKSConfig
 from ..kvcache import asks, chunk_reuse
+from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import SharedPrefixCache
 from ..results import ASKSDecision, ChunkReuseDecision
@@ -28,6 +29,11 @@ from .stats import Counters
 T = TypeVar("T")
 # A chunk budget: tokens per pass, None for one pass, or a callable asked before each pass.
 ChunkTokens = int | Callable[[], int] | None
+
+
+class PackedPrefillMismatch(RuntimeError):
+    """A packed prefill's logits differed from the same prompt prefilled alone (the model does not
+    honour the packed mask or positions); packing is then off for the engine."""
 
 
 @dataclass
@@ -111,6 +117,7 @@ class Prefiller:
         self.cacheable = cacheable
         self.counters = counters
         self._packs_prompts: bool | None = None
+        self._packing_checked = False
 
     # -- prompts --------------------------------------------------------------------------------
     def prefill(self, prompt_ids: list[int]) -> Prefilled:
@@ -195,8 +202,12 @@ class Prefiller:
         Token-exact like ``prefill``; the bits may differ from a prompt prefilled alone, as a batched
         matmul's do. Counted like as many ``prefill`` calls. Callers use it only where
         ``packs_prompts()`` holds and give prompts that share no uncached prefix (each would compute
-        it again)."""
+        it again).
 
+        The first packed forward is checked against the first prompt prefilled alone: a model that
+        does not honour the mask or the positions gets a ``PackedPrefillMismatch``, and packing is
+        off for this engine from then on (``packs_prompts()`` turns False); so it is after a packed
+        forward fails for any reason but running out of memory."""
         if len(prompts) < 1:
             raise ValueError("prefill_packed needs at least one prompt")
         matches: list[tuple[Any, int, Any]] = []
@@ -204,7 +215,16 @@ class Prefiller:
             for prompt_ids in prompts:
                 matches.append(self.cache_for_prefix(list(prompt_ids)))
             with torch.inference_mode():
-                prefilled = self._packed_pass([list(p) for p in prompts], matches)
+                try:
+                    prefilled = self._packed_pass([list(p) for p in prompts], matches)
+                except Exception as error:
+                    if not isinstance(error, ForwardOutOfMemoryError) and not is_out_of_memory(error):
+                        # the model cannot take a packed pass: stop trying
+                        self._packs_prompts = False
+                        self.counters.count("packed_prefill_disabled")
+                    raise
+                if not self._packing_checked:
+                    self._check_packing(prefilled[0])
                 if self.cacheable:
                     for result in prefilled:
                         self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
@@ -221,6 +241,24 @@ class Prefiller:
             count("cache_hits" if matched else "cache_misses")
         count("packed_prefills")
         return prefilled
+
+    def _check_packing(self, packed: Prefilled) -> None:
+        """Compare one packed prompt's last logits with the same prompt prefilled alone, once."""
+        from transformers import DynamicCache
+
+        alone = self.runner.forward(torch.tensor([packed.prompt_ids], device=self.runner.device),
+                                    DynamicCache(config=self.runner.model.config), logits_to_keep=1)
+        want, got = alone.logits[:, -1].float(), packed.last_logits.float()
+        diff = float((got - want).abs().max())
+        scale = max(float(want.abs().max()), 1.0)
+        tolerance = (1e-4 if self.runner.dtype == torch.float32 else 5e-2) * scale
+        if not diff <= tolerance:  # also catches NaN
+            self._packs_prompts = False
+            self.counters.count("packed_prefill_disabled")
+            raise PackedPrefillMismatch(
+                f"packed prefill changed the logits by {diff:.3g} (> {tolerance:.3g}): this model does not honour "
+                "a packed mask or positions, so prompts are prefilled one by one from now on")
+        self._packing_checked = True
 
     def _packed_pass(self, prompts: list[list[int]], matches: list[tuple[Any, int, Any]]) -> list[Prefilled]:
         from transformers import DynamicCache

@@ -112,6 +112,33 @@ def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_l
     assert stats.prefills == len(PROMPTS)
     engine.clear_cache()
     assert engine.stats().cache_tokens == 0, "a node stayed locked after the failed packed forward"
+    # A model that cannot take a packed pass is not asked again.
+    assert engine.scheduler.prefiller.packs_prompts() is False
+    assert stats.extra.get("packed_prefill_disabled") == 1
+    run_together(engine, [(p, 1, SamplingParams(max_new_tokens=2)) for p in PROMPTS])
+    assert engine.stats().extra.get("packed_prefill_fallbacks") == 1
+
+
+def test_a_packed_forward_whose_logits_disagree_with_a_prompt_alone_turns_packing_off(monkeypatch):
+    engine = engine_for(1)
+    want = [hf_greedy(engine, p, 10) for p in PROMPTS]
+    prefiller = engine.scheduler.prefiller
+    honest = prefiller._packed_pass
+
+    def ignores_the_mask(prompts, matches):  # stands in for a model that mixes the packed prompts
+        results = honest(prompts, matches)
+        wrong = results[0].last_logits.clone()
+        wrong[0, 5] += 100.0  # a token greedy decoding would now pick
+        results[0].last_logits = wrong
+        return results
+
+    monkeypatch.setattr(prefiller, "_packed_pass", ignores_the_mask)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
+    assert [tokens[0] for tokens in got] == want, "a mismatched packed prefill reached the tokens"
+    stats = engine.stats()
+    assert stats.extra.get("packed_prefill_disabled") == 1
+    assert stats.extra.get("packed_prefill_fallbacks") == 1
+    assert prefiller.packs_prompts() is False
 
 
 def test_packed_prefill_must_be_a_bool():
