@@ -393,19 +393,27 @@ class Scheduler:
                 self.counters.count("requests")
             if packing and request.segments is None:
                 if pack and _shares_uncached_prefix(request, pack, self.prefiller):
-                    flushing, pack[:] = list(pack), []
-                    self._prefill_pack(flushing)
+                    self._prefill_pack_before(request, pack)
                 new_tokens = len(request.prompt_ids) - self.prefiller.cached_prefix_length(request.prompt_ids)
                 if new_tokens <= budget:
                     pack.append(request)
                     budget -= max(1, new_tokens)
                     continue
-            flushing, pack[:] = list(pack), []
-            self._prefill_pack(flushing)
+            self._prefill_pack_before(request, pack)
             request.prefill = self.prefiller.prefill_steps(request.prompt_ids, self._next_pass_tokens,
                                                            request.segments)
             self._prefilling.append(request)
             budget -= self._prefill_more(request, budget)
+
+    def _prefill_pack_before(self, request: Request, pack: list[Request]) -> None:
+        """Prefill and empty ``pack`` before admitting ``request``, which is in no list yet: an
+        interrupt on the way fails it too, or its caller would wait forever."""
+        flushing, pack[:] = list(pack), []
+        try:
+            self._prefill_pack(flushing)
+        except BaseException as error:
+            self._fail(request, _as_failure(error))
+            raise
 
     def _prefill_pack(self, pack: list[Request]) -> None:
         """Prefill the gathered prompts: one forward for two or more, the usual path for one. If the
@@ -423,23 +431,25 @@ class Scheduler:
             logger.warning("packed prefill of %d prompts failed; prefilling them one by one", len(pack),
                            exc_info=True)
             self.counters.count("packed_prefill_fallbacks")
-            for request in pack:
+            for request in pack:  # all listed first: a BaseException in one leaves the rest to the step's handler
                 request.prefill = self.prefiller.prefill_steps(request.prompt_ids, None)
                 self._prefilling.append(request)
+            for request in pack:
                 self._prefill_more(request, len(request.prompt_ids))
             return
         except BaseException as error:
             for request in pack:
                 self._fail(request, _as_failure(error))
             raise
-        for request, result in zip(pack, prefilled):
+        for index, (request, result) in enumerate(zip(pack, prefilled)):
             try:
                 self._start(request, result)
             except Exception as error:
                 if not self._requeue_after_oom(request, error):
                     self._fail(request, error)
-            except BaseException as error:
-                self._fail(request, _as_failure(error))
+            except BaseException as error:  # the pack's later requests are in no list yet: fail them too
+                for unstarted in pack[index:]:
+                    self._fail(unstarted, _as_failure(error))
                 raise
 
     def _next_pass_tokens(self) -> int:

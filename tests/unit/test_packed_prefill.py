@@ -144,3 +144,25 @@ def test_a_packed_forward_whose_logits_disagree_with_a_prompt_alone_turns_packin
 def test_packed_prefill_must_be_a_bool():
     with pytest.raises(TypeError, match="scheduler.packed_prefill"):
         SchedulerConfig(packed_prefill=1)
+
+
+def test_an_interrupt_in_the_packed_forward_fails_every_admitted_request_and_the_engine_goes_on(monkeypatch):
+    engine = engine_for(0)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.scheduler.prefiller, "_packed_pass", interrupted)
+    # "Another one" shares an uncached "A" with the prompt before it, so it arrives while the pack of
+    # the first four is prefilled: it is in no list at that moment.
+    with engine.exclusive():
+        handles = [engine.submit(p, 1, SamplingParams(max_new_tokens=4)) for p in PROMPTS]
+        with pytest.raises(KeyboardInterrupt):
+            engine.scheduler.step()
+    assert all(handle.done() for handle in handles), "a request admitted in the interrupted step was left waiting"
+    for handle in handles:
+        with pytest.raises(Exception) as failure:
+            handle.result(timeout=30)
+        assert not isinstance(failure.value, TimeoutError)
+    monkeypatch.undo()
+    assert engine.generate("x", SamplingParams(max_new_tokens=3)).token_ids == hf_greedy(engine, "x", 3)
