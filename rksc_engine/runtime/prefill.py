@@ -193,7 +193,7 @@ class Prefiller:
             self._packs_prompts = not asks_may_act and self.runner.supports_prefix_cache()
         return self._packs_prompts
 
-    def prefill_packed(self, prompts: Sequence[list[int]]) -> list[Prefilled]:
+    def prefill_packed(self, prompts: Sequence[list[int]], max_context_tokens: int | None = None) -> list[Prefilled]:
         """Several prompts' KV in one forward: each prompt's longest cached prefix served by the radix
         cache, and every prompt's remaining tokens packed into one row, each token attending to its
         own prompt only (a block-diagonal causal mask) at its own positions. The linear layers read
@@ -207,24 +207,35 @@ class Prefiller:
         The first packed forward is checked against the first prompt prefilled alone: a model that
         does not honour the mask or the positions gets a ``PackedPrefillMismatch``, and packing is
         off for this engine from then on (``packs_prompts()`` turns False); so it is after a packed
-        forward fails for any reason but running out of memory."""
+        forward fails for any reason but running out of memory.
+
+        ``max_context_tokens`` bounds what one forward attends to (the prompts' cached prefixes, a
+        prefix several prompts share counted once, plus their new tokens): the mask and the packed
+        copy of the prefixes grow with it. Prompts beyond it go into further forwards."""
         if len(prompts) < 1:
             raise ValueError("prefill_packed needs at least one prompt")
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
+        prompts = [list(p) for p in prompts]
         matches: list[tuple[Any, int, Any]] = []
+        prefilled: list[Prefilled] = []
         try:
             for prompt_ids in prompts:
-                matches.append(self.cache_for_prefix(list(prompt_ids)))
+                matches.append(self.cache_for_prefix(prompt_ids))
             with torch.inference_mode():
-                try:
-                    prefilled = self._packed_pass([list(p) for p in prompts], matches)
-                except Exception as error:
-                    if not isinstance(error, ForwardOutOfMemoryError) and not is_out_of_memory(error):
-                        # the model cannot take a packed pass: stop trying
-                        self._packs_prompts = False
-                        self.counters.count("packed_prefill_disabled")
-                    raise
-                if not self._packing_checked:
-                    self._check_packing(prefilled[0])
+                for group in _context_groups(prompts, matches, max_context_tokens):
+                    try:
+                        results = self._packed_pass([prompts[i] for i in group], [matches[i] for i in group])
+                    except Exception as error:
+                        if not isinstance(error, ForwardOutOfMemoryError) and not is_out_of_memory(error):
+                            # the model cannot take a packed pass: stop trying
+                            self._packs_prompts = False
+                            self.counters.count("packed_prefill_disabled")
+                        raise
+                    if not self._packing_checked:
+                        self._check_packing(results[0])
+                    prefilled += results
+                    self.counters.count("packed_prefills")
                 if self.cacheable:
                     for result in prefilled:
                         self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
@@ -239,7 +250,6 @@ class Prefiller:
             count("prompt_tokens_computed", len(result.prompt_ids) - matched)
             count("prompt_tokens_reused", matched)
             count("cache_hits" if matched else "cache_misses")
-        count("packed_prefills")
         return prefilled
 
     def _check_packing(self, packed: Prefilled) -> None:
@@ -267,27 +277,37 @@ class Prefiller:
         model_config = self.runner.model.config
         matched = [m for _, m, _ in matches]
         new_tokens = [prompt[m:] for prompt, m in zip(prompts, matched)]
-        num_prefix, num_new = sum(matched), sum(len(t) for t in new_tokens)
-        # The packed cache: every prompt's cached prefix, one after another.
-        with_prefix = [cache for cache, m, _ in matches if m]
-        if with_prefix:
-            num_layers = len(with_prefix[0].layers)
-            layers = [(torch.cat([c.layers[i].keys for c in with_prefix], dim=2),
-                       torch.cat([c.layers[i].values for c in with_prefix], dim=2)) for i in range(num_layers)]
+        # The packed cache: the prompts' cached prefixes one after another, a prefix that several
+        # prompts matched to the same radix node held once.
+        prefix_starts: list[int] = []
+        unique: dict[tuple[int, int], int] = {}
+        sources: list[Any] = []
+        num_prefix = 0
+        for cache, m, node in matches:
+            key = (id(node), m)
+            if m and key not in unique:
+                unique[key] = num_prefix
+                sources.append(cache)
+                num_prefix += m
+            prefix_starts.append(unique.get(key, 0))
+        num_new = sum(len(t) for t in new_tokens)
+        if sources:
+            num_layers = len(sources[0].layers)
+            layers = [(torch.cat([c.layers[i].keys for c in sources], dim=2),
+                       torch.cat([c.layers[i].values for c in sources], dim=2)) for i in range(num_layers)]
             packed = DynamicCache(ddp_cache_data=layers, config=model_config)
         else:
             packed = DynamicCache(config=model_config)
         visible = torch.zeros(num_new, num_prefix + num_new, dtype=torch.bool, device=device)
         positions, last_rows = [], []
-        prefix_start = new_start = 0
-        for m, tokens in zip(matched, new_tokens):
+        new_start = 0
+        for m, tokens, prefix_start in zip(matched, new_tokens, prefix_starts):
             rows = slice(new_start, new_start + len(tokens))
             visible[rows, prefix_start:prefix_start + m] = True
             visible[rows, num_prefix + new_start:num_prefix + new_start + len(tokens)] = torch.ones(
                 len(tokens), len(tokens), dtype=torch.bool, device=device).tril()
             positions.append(torch.arange(m, m + len(tokens), device=device))
             last_rows.append(new_start + len(tokens) - 1)
-            prefix_start += m
             new_start += len(tokens)
         mask = torch.zeros(1, 1, num_new, num_prefix + num_new, dtype=dtype, device=device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
@@ -296,15 +316,14 @@ class Prefiller:
                                   position_ids=torch.cat(positions)[None], attention_mask=mask)
         logits = out.logits[0]  # (prompts, V)
         results = []
-        prefix_start = new_start = 0
-        for index, (prompt, m, tokens) in enumerate(zip(prompts, matched, new_tokens)):
+        new_start = 0
+        for index, (prompt, m, tokens, prefix_start) in enumerate(zip(prompts, matched, new_tokens, prefix_starts)):
             spans = [(prefix_start, prefix_start + m), (num_prefix + new_start, num_prefix + new_start + len(tokens))]
             layers = [(torch.cat([layer.keys[:, :, a:b] for a, b in spans if b > a], dim=2),
                        torch.cat([layer.values[:, :, a:b] for a, b in spans if b > a], dim=2))
                       for layer in packed.layers]
             cache = DynamicCache(ddp_cache_data=layers, config=model_config)
             results.append(Prefilled(prompt, cache, logits[index:index + 1], m))
-            prefix_start += m
             new_start += len(tokens)
         return results
 
@@ -509,6 +528,29 @@ class Prefiller:
         if not self.cacheable:
             return 0
         return self.prefix_cache.annotate(list(token_ids), start=start, branch_score=branch_score, depth=depth)
+
+
+def _context_groups(prompts: list[list[int]], matches: list[tuple[Any, int, Any]],
+                    max_context_tokens: int | None) -> list[list[int]]:
+    """Indices of ``prompts`` in order, cut into groups whose packed forward attends to at most
+    ``max_context_tokens`` (cached prefixes, a shared one counted once, plus new tokens); a prompt
+    over the bound on its own gets a group of its own."""
+    groups: list[list[int]] = []
+    seen: set[tuple[int, int]] = set()
+    size = 0
+    for index, (prompt, (_, matched, node)) in enumerate(zip(prompts, matches)):
+        key = (id(node), matched)
+        cost = len(prompt) - matched + (matched if key not in seen else 0)
+        if groups and max_context_tokens is not None and size + cost > max_context_tokens:
+            groups.append([])
+            seen, size = set(), 0
+            cost = len(prompt)
+        if not groups:
+            groups.append([])
+        groups[-1].append(index)
+        seen.add(key)
+        size += cost
+    return groups
 
 
 def run_to_end(steps: Generator[Any, None, T]) -> T:

@@ -426,7 +426,7 @@ class Scheduler:
         if not pack:
             return
         try:
-            prefilled = self.prefiller.prefill_packed([r.prompt_ids for r in pack])
+            prefilled = self.prefiller.prefill_packed([r.prompt_ids for r in pack], self.config.max_prefill_tokens)
         except Exception:  # noqa: BLE001 - an optimisation: the usual path decides each request's fate
             logger.warning("packed prefill of %d prompts failed; prefilling them one by one", len(pack),
                            exc_info=True)

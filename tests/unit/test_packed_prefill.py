@@ -166,3 +166,30 @@ def test_an_interrupt_in_the_packed_forward_fails_every_admitted_request_and_the
         assert not isinstance(failure.value, TimeoutError)
     monkeypatch.undo()
     assert engine.generate("x", SamplingParams(max_new_tokens=3)).token_ids == hf_greedy(engine, "x", 3)
+
+
+def test_context_groups_count_a_shared_cached_prefix_once_and_cut_at_the_bound():
+    from rksc_engine.runtime.prefill import _context_groups
+
+    node_a, node_b = object(), object()
+    prompts = [[0] * 40, [0] * 40, [0] * 40, [0] * 20, [0] * 35]
+    matches = [(None, 30, node_a), (None, 30, node_a), (None, 30, node_a), (None, 0, None), (None, 30, node_b)]
+    # 30 shared + 3 x 10 new = 60; the fourth prompt's 20 would make 80.
+    assert _context_groups(prompts, matches, 70) == [[0, 1, 2], [3, 4]]
+    assert _context_groups(prompts, matches, None) == [[0, 1, 2, 3, 4]]
+    assert _context_groups(prompts, matches, 1) == [[0], [1], [2], [3], [4]]
+
+
+def test_a_pack_over_the_step_budget_of_context_runs_as_several_forwards_with_the_same_tokens():
+    engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(),
+                        EngineConfig(scheduler=SchedulerConfig(max_prefill_tokens=80)))
+    base = "A preamble of some length, cached first. "
+    engine.generate(base + "first", SamplingParams(max_new_tokens=1))
+    prompts = [base + "second q", base + "third q", base + "fourth q", base + "zz fifth"]
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    # Four prompts of about 8 new tokens fit the budget, but not their context in one forward of 80:
+    # the preamble is 41 tokens, and "fourth" matches one more cached token ("f" of "first"), so
+    # its preamble is a different prefix and is counted apart.
+    assert packed_prefills(engine) >= 2
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
