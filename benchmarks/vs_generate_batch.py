@@ -1,0 +1,95 @@
+"""Benchmark: independent chat requests on rksc against ``transformers``' continuous batching.
+
+``--requests`` single-branch greedy chat turns (the prompts of ``batch_curve.py``), up to
+``--max-new-tokens`` each, all submitted at once: to ``RKSCEngine.submit``, and as one
+``model.generate_batch`` call (``transformers``' continuous batching with paged attention) on a
+second copy of the same weights. Arms alternate, the prefix cache is cleared before each rksc run,
+and tokens/s counts the tokens each side generated. It also reports how many requests decoded the
+same tokens on both sides.
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/vs_generate_batch.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from batch_curve import chat
+from rksc_engine import RKSCEngine, SamplingParams
+
+DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "vs_generate_batch.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
+    parser.add_argument("--requests", type=int, default=16, help="independent requests (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    args = parser.parse_args(argv)
+    for name in ("requests", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine = RKSCEngine.from_pretrained(args.model)
+    model_dir = engine.model.config._name_or_path
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).eval()
+    prompts = [engine.encode_chat(chat(i)) for i in range(args.requests)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    eos = sorted(engine.runner.eos_token_ids)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])
+
+    def run_rksc() -> list[list[int]]:
+        engine.clear_cache()
+        handles = [engine.submit(list(p), 1, params) for p in prompts]
+        return [list(h.result()[0].token_ids) for h in handles]
+
+    def run_hf() -> list[list[int]]:
+        with torch.inference_mode():
+            outputs = hf_model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
+                                              progress_bar=False)
+        ordered = sorted(outputs.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+        return [[t for t in o.generated_tokens if t not in eos] for o in ordered]
+
+    arms = {"rksc": run_rksc, "transformers generate_batch": run_hf}
+    for arm in arms.values():  # warm up both, untimed
+        arm()
+    walls: dict[str, list[float]] = {name: [] for name in arms}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(args.repeats):
+        for name, arm in arms.items():
+            start = time.perf_counter()
+            tokens[name] = arm()
+            walls[name].append(time.perf_counter() - start)
+    rksc_tokens = [[t for t in seq if t not in eos] for seq in tokens["rksc"]]
+    same = sum(a == b for a, b in zip(rksc_tokens, tokens["transformers generate_batch"]))
+    report = {"requests": args.requests, "max_new_tokens": args.max_new_tokens, "same_tokens": same, "arms": {}}
+    print(f"{args.requests} independent greedy chat requests, up to {args.max_new_tokens} new tokens each\n")
+    print("| arm | median wall s | generated tokens | tok/s |\n|---|---:|---:|---:|")
+    for name in arms:
+        count = sum(len(seq) for seq in tokens[name])
+        wall = statistics.median(walls[name])
+        report["arms"][name] = {"wall_s": wall, "generated_tokens": count, "tok_s": count / wall, "runs": walls[name]}
+        print(f"| {name} | {wall:.2f} | {count} | {count / wall:.1f} |")
+    ratio = report["arms"]["rksc"]["tok_s"] / report["arms"]["transformers generate_batch"]["tok_s"]
+    report["ratio"] = ratio
+    print(f"\nrksc / transformers generate_batch (tok/s): {ratio:.2f}x; same tokens: {same}/{args.requests}")
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
