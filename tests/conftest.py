@@ -116,6 +116,25 @@ class CountingHooks:
             h.remove()
 
 
+# Prompts of very different lengths, for checks that batching and packing change no request's tokens.
+MIXED_LENGTH_PROMPTS = [
+    "The quick brown fox jumps over",
+    "Q: what is 2+3?\nA:",
+    "x",
+    "A much longer prompt, repeated. " * 6,
+    "Another one",
+]
+
+
+def engine_hf_greedy(engine, prompt, max_new_tokens):
+    """What ``transformers`` greedy ``generate`` decodes after ``prompt`` on ``engine``'s model."""
+    ids = torch.tensor([engine.encode(prompt)])
+    with torch.no_grad():
+        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
 @pytest.fixture
 def tiny_tokenizer():
     return make_char_tokenizer()

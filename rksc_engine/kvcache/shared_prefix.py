@@ -641,6 +641,12 @@ class ProbeResult:
     inconclusive: bool = False
 
 
+def logit_tolerance(want: torch.Tensor, dtype: torch.dtype) -> float:
+    """How far logits computed another exact way may stray from ``want`` by rounding alone, for a
+    model of ``dtype``: relative to the largest logit (at least 1)."""
+    return (1e-4 if dtype == torch.float32 else 5e-2) * max(float(want.abs().max()), 1.0)
+
+
 def probe(model: Any, forward: Any) -> ProbeResult:
     """Check once, numerically, that ``model`` decodes the same through ``SharedPrefixCache``.
 
@@ -679,8 +685,7 @@ def probe(model: Any, forward: Any) -> ProbeResult:
             False, f"the model ran shared_prefix_attention in {shared.num_attention_calls} of {len(layers)} layers"
         )
     diff = float((got - want).abs().max())
-    scale = float(want.abs().max()) or 1.0
-    tolerance = (1e-4 if model.dtype == torch.float32 else 5e-2) * max(scale, 1.0)
+    tolerance = logit_tolerance(want, model.dtype)
     if not math.isfinite(diff) or diff > tolerance:
         return ProbeResult(False, f"logits differ from the plain path by {diff:.3g} (> {tolerance:.3g})", diff)
     return ProbeResult(True, "", diff)

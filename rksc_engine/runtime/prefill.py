@@ -21,7 +21,7 @@ from ..config import ASKSConfig
 from ..kvcache import asks, chunk_reuse
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.radix import RadixPrefixCache
-from ..kvcache.shared_prefix import SharedPrefixCache
+from ..kvcache.shared_prefix import SharedPrefixCache, logit_tolerance
 from ..results import ASKSDecision, ChunkReuseDecision
 from .model_runner import ModelRunner
 from .stats import Counters
@@ -148,12 +148,16 @@ class Prefiller:
             return prefilled
         prefilled = yield from self._prefill_exact(prompt_ids, chunk_tokens)
         matched = prefilled.num_cached_tokens
+        self._count_prefill(len(prompt_ids) - matched, matched)
+        return prefilled
+
+    def _count_prefill(self, computed: int, reused: int) -> None:
+        """Count one prompt's prefill: its tokens computed and reused, and a cache hit or miss."""
         count = self.counters.count
         count("prefills")
-        count("prompt_tokens_computed", len(prompt_ids) - matched)
-        count("prompt_tokens_reused", matched)
-        count("cache_hits" if matched else "cache_misses")
-        return prefilled
+        count("prompt_tokens_computed", computed)
+        count("prompt_tokens_reused", reused)
+        count("cache_hits" if reused else "cache_misses")
 
     def _prefill_exact(self, token_ids: list[int], chunk_tokens: ChunkTokens) -> Generator[int, None, Prefilled]:
         """Token-exact prefill of ``token_ids``: the longest cached prefix from the radix cache (always
@@ -243,13 +247,8 @@ class Prefiller:
             for _, _, node in matches:
                 if node is not None:
                     self.prefix_cache.unlock(node)
-        count = self.counters.count
         for result in prefilled:
-            matched = result.num_cached_tokens
-            count("prefills")
-            count("prompt_tokens_computed", len(result.prompt_ids) - matched)
-            count("prompt_tokens_reused", matched)
-            count("cache_hits" if matched else "cache_misses")
+            self._count_prefill(len(result.prompt_ids) - result.num_cached_tokens, result.num_cached_tokens)
         return prefilled
 
     def _check_packing(self, packed: Prefilled) -> None:
@@ -260,8 +259,7 @@ class Prefiller:
                                     DynamicCache(config=self.runner.model.config), logits_to_keep=1)
         want, got = alone.logits[:, -1].float(), packed.last_logits.float()
         diff = float((got - want).abs().max())
-        scale = max(float(want.abs().max()), 1.0)
-        tolerance = (1e-4 if self.runner.dtype == torch.float32 else 5e-2) * scale
+        tolerance = logit_tolerance(want, self.runner.dtype)
         if not diff <= tolerance:  # also catches NaN
             self._packs_prompts = False
             self.counters.count("packed_prefill_disabled")
@@ -383,10 +381,7 @@ class Prefiller:
                 self.prefix_cache.unlock(held)
         decision = result.decision
         reused = matched + decision.reused_tokens
-        count("prefills")
-        count("prompt_tokens_computed", result.num_computed_tokens)
-        count("prompt_tokens_reused", reused)
-        count("cache_hits" if reused else "cache_misses")
+        self._count_prefill(result.num_computed_tokens, reused)
         count("chunk_reuse_prompts", int(decision.reused))
         count("chunks_reused", decision.chunks_reused)
         count("chunk_recomputed_tokens", decision.recomputed_tokens)
@@ -428,11 +423,8 @@ class Prefiller:
         finally:
             self.prefix_cache.unlock(match.last_node)
         decision = result.decision
+        self._count_prefill(result.num_computed_tokens, result.num_reused_tokens)
         count = self.counters.count
-        count("prefills")
-        count("prompt_tokens_computed", result.num_computed_tokens)
-        count("prompt_tokens_reused", result.num_reused_tokens)
-        count("cache_hits" if result.num_reused_tokens else "cache_misses")
         count("asks_checks")
         count("asks_reuses", int(decision.reused))
         count("asks_reused_tokens", decision.reused_tokens)

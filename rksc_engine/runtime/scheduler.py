@@ -40,6 +40,7 @@ import torch
 
 from ..config import SamplingParams, SchedulerConfig
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
+from ..kvcache.prefix_match import common_prefix_length
 from ..kvcache.shared_prefix import (
     ATTENTION_NAME,
     BatchDecodeCache,
@@ -392,9 +393,11 @@ class Scheduler:
             if request.admissions == 1:
                 self.counters.count("requests")
             if packing and request.segments is None:
-                if pack and _shares_uncached_prefix(request, pack, self.prefiller):
+                cached = self.prefiller.cached_prefix_length(request.prompt_ids)
+                if pack and _shares_uncached_prefix(request.prompt_ids, cached, pack):
                     self._prefill_pack_before(request, pack)
-                new_tokens = len(request.prompt_ids) - self.prefiller.cached_prefix_length(request.prompt_ids)
+                    cached = self.prefiller.cached_prefix_length(request.prompt_ids)  # the pack is cached now
+                new_tokens = len(request.prompt_ids) - cached
                 if new_tokens <= budget:
                     pack.append(request)
                     budget -= max(1, new_tokens)
@@ -418,12 +421,8 @@ class Scheduler:
     def _prefill_pack(self, pack: list[Request]) -> None:
         """Prefill the gathered prompts: one forward for two or more, the usual path for one. If the
         packed forward fails, each prompt takes the usual path, and its own failure is its own."""
-        if len(pack) == 1:
-            pack[0].prefill = self.prefiller.prefill_steps(pack[0].prompt_ids, None)
-            self._prefilling.append(pack[0])
-            self._prefill_more(pack[0], len(pack[0].prompt_ids))
-            return
-        if not pack:
+        if len(pack) <= 1:
+            self._prefill_each(pack)
             return
         try:
             prefilled = self.prefiller.prefill_packed([r.prompt_ids for r in pack], self.config.max_prefill_tokens)
@@ -431,11 +430,7 @@ class Scheduler:
             logger.warning("packed prefill of %d prompts failed; prefilling them one by one", len(pack),
                            exc_info=True)
             self.counters.count("packed_prefill_fallbacks")
-            for request in pack:  # all listed first: a BaseException in one leaves the rest to the step's handler
-                request.prefill = self.prefiller.prefill_steps(request.prompt_ids, None)
-                self._prefilling.append(request)
-            for request in pack:
-                self._prefill_more(request, len(request.prompt_ids))
+            self._prefill_each(pack)
             return
         except BaseException as error:
             for request in pack:
@@ -451,6 +446,14 @@ class Scheduler:
                 for unstarted in pack[index:]:
                     self._fail(unstarted, _as_failure(error))
                 raise
+
+    def _prefill_each(self, requests: list[Request]) -> None:
+        """Prefill each of ``requests`` whole, in a forward of its own (the usual path)."""
+        for request in requests:  # all listed first: a BaseException in one leaves the rest to the step's handler
+            request.prefill = self.prefiller.prefill_steps(request.prompt_ids, None)
+            self._prefilling.append(request)
+        for request in requests:
+            self._prefill_more(request, len(request.prompt_ids))
 
     def _next_pass_tokens(self) -> int:
         return self._pass_tokens
@@ -842,20 +845,12 @@ class Scheduler:
         )
 
 
-def _shares_uncached_prefix(request: Request, pack: list[Request], prefiller: Prefiller) -> bool:
-    """Whether ``request``'s prompt begins with more of a packed prompt than the radix cache holds:
-    prefilled in the same pack, it would compute that shared part again instead of reusing it."""
-    cached = prefiller.cached_prefix_length(request.prompt_ids)
-    prompt = request.prompt_ids
-    for other in pack:
-        common = 0
-        for a, b in zip(prompt, other.prompt_ids):
-            if a != b:
-                break
-            common += 1
-        if min(common, len(prompt) - 1) > cached:
-            return True
-    return False
+def _shares_uncached_prefix(prompt_ids: list[int], cached: int, pack: list[Request]) -> bool:
+    """Whether ``prompt_ids`` begins with more of a packed prompt than the ``cached`` tokens the radix
+    cache holds of it: prefilled in the same pack, it would compute that shared part again instead
+    of reusing it. (The cache never serves a prompt's last token, so neither would the pack.)"""
+    return any(common_prefix_length(prompt_ids, other.prompt_ids, limit=len(prompt_ids) - 1) > cached
+               for other in pack)
 
 
 def _as_failure(error: BaseException) -> BaseException:

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
 
-PROMPTS = [
-    "The quick brown fox jumps over",
-    "Q: what is 2+3?\nA:",
-    "x",
-    "A much longer prompt, repeated. " * 6,
-    "Another one",
-]
+PROMPTS = MIXED_LENGTH_PROMPTS
 
 
 def engine_for(seed: int = 0, packed: bool = True) -> RKSCEngine:
@@ -23,12 +16,7 @@ def engine_for(seed: int = 0, packed: bool = True) -> RKSCEngine:
                       EngineConfig(scheduler=SchedulerConfig(packed_prefill=packed)))
 
 
-def hf_greedy(engine: RKSCEngine, prompt: str, max_new_tokens: int) -> tuple[int, ...]:
-    ids = torch.tensor([engine.encode(prompt)])
-    with torch.no_grad():
-        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False)
-    return tuple(out[0, ids.shape[1]:].tolist())
+hf_greedy = engine_hf_greedy
 
 
 def run_together(engine: RKSCEngine, jobs) -> list[list[tuple[int, ...]]]:

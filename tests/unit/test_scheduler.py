@@ -8,31 +8,20 @@ import threading
 
 import pytest
 import torch
-from conftest import make_char_tokenizer, make_tiny_model, wait_until
+from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, make_tiny_model, wait_until
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
 from rksc_engine.runtime.handle import RequestCancelled
 
-PROMPTS = [
-    "The quick brown fox jumps over",
-    "Q: what is 2+3?\nA:",
-    "x",
-    "A much longer prompt, repeated. " * 6,
-    "Another one",
-]
+PROMPTS = MIXED_LENGTH_PROMPTS
 
 
 def engine_for(seed: int = 0, **config) -> RKSCEngine:
     return RKSCEngine(make_tiny_model(seed), make_char_tokenizer(), EngineConfig(**config))
 
 
-def hf_greedy(engine, prompt, max_new_tokens):
-    ids = torch.tensor([engine.encode(prompt)])
-    with torch.no_grad():
-        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False)
-    return tuple(out[0, ids.shape[1]:].tolist())
+hf_greedy = engine_hf_greedy
 
 
 def alone(engine, prompt, n, params):
