@@ -77,7 +77,7 @@ from rksc_engine.reasoning.early_stop import (
 )
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 from rksc_engine.results import BranchEvent, Completion
-from rksc_engine.runtime.scheduler import first_stop
+from rksc_engine.runtime.branch_output import first_stop
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
 # A batched decode step on this CPU costs about STEP_S plus ROW_S per live row (the default model,

@@ -4,6 +4,10 @@ Every arm answers the same workload: ``--clients`` concurrent clients, each send
 chat requests one after another (distinct questions), greedy, ``--max-tokens`` each:
 
     in-process          ``engine.submit`` from asyncio tasks in this process: the baseline, no HTTP.
+    in-process, mixed prefill off
+                        the same with ``SchedulerConfig(mixed_prefill=False)``: each arrival's prompt
+                        prefilled in a forward of its own rather than in the running rows' decode
+                        forward (cache cleared first, so both arms start cold).
     rksc serve          the ``rksc serve`` command as a subprocess on a free loopback port.
     transformers serve  ``transformers serve <model dir>`` as a subprocess on a free loopback port,
                         offline (``HF_HUB_OFFLINE=1``), same device and dtype. When it cannot run, the
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +110,25 @@ async def _drive(work: Workload, ask: Callable[[Messages], Any], name: str) -> A
     return arm
 
 
-def in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
+def in_process_arm(engine: RKSCEngine, work: Workload, name: str = "in-process") -> Arm:
     params = SamplingParams(max_new_tokens=work.max_tokens, temperature=0.0)
 
     async def ask(messages: Messages) -> tuple[str, int]:
         [completion] = await engine.submit(messages, 1, params)
         return completion.text, completion.num_generated_tokens
 
-    return asyncio.run(_drive(work, ask, "in-process"))
+    return asyncio.run(_drive(work, ask, name))
+
+
+def unmixed_in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
+    """The in-process arm with ``mixed_prefill`` off, from a cold cache; the engine's config is restored."""
+    config = engine.config
+    engine.config = replace(config, scheduler=replace(config.scheduler, mixed_prefill=False))
+    engine.clear_cache()
+    try:
+        return in_process_arm(engine, work, "in-process, mixed prefill off")
+    finally:
+        engine.config = config
 
 
 def http_arm(base_url: str, model: str, work: Workload, name: str, count_tokens: Callable[[str], int]) -> Arm:
@@ -323,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     def count_tokens(text: str) -> int:  # for a server whose answers carry no usage
         return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    arms = [in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
+    arms = [in_process_arm(engine, work), unmixed_in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
     if args.skip_transformers_serve:
         arms.append(Arm("transformers serve", not_run="not run: --skip-transformers-serve"))
     else:

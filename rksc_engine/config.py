@@ -379,11 +379,17 @@ class SchedulerConfig:
             of one forward each (default True). Tokens are the same; the prompts' KV may differ in
             the last bits from a prompt prefilled alone, as any batched matrix product's do. False
             prefills every prompt on its own, so a request's KV never depends on its neighbours.
+        mixed_prefill: Prefill the prompts a step admits in the same forward as the running rows'
+            next tokens, when rows are decoding (default True): the weights are read once for both,
+            so an arrival costs the running requests almost nothing. Tokens are the same; the bits
+            may differ as with ``packed_prefill``. The first such step is checked against the two
+            done apart, and a model that fails it is never mixed again.
     """
 
     max_batch_rows: int = 64
     max_prefill_tokens: int = 4096
     packed_prefill: bool = True
+    mixed_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_prefill_tokens"):
@@ -392,6 +398,7 @@ class SchedulerConfig:
             if value < 1:
                 raise ValueError(f"scheduler.{name} must be >= 1, got {value}")
         check_type("scheduler.packed_prefill", self.packed_prefill, bool)
+        check_type("scheduler.mixed_prefill", self.mixed_prefill, bool)
 
 
 DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")

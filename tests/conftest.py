@@ -127,9 +127,12 @@ MIXED_LENGTH_PROMPTS = [
 
 
 def engine_hf_greedy(engine, prompt, max_new_tokens):
-    """What ``transformers`` greedy ``generate`` decodes after ``prompt`` on ``engine``'s model."""
+    """What ``transformers`` greedy ``generate`` decodes after ``prompt`` on ``engine``'s model.
+
+    Holds the engine while it runs: the scheduler's thread switches the model's attention
+    implementation for its own forwards, so a ``generate`` racing a step could run through it."""
     ids = torch.tensor([engine.encode(prompt)])
-    with torch.no_grad():
+    with engine.exclusive(), torch.no_grad():
         out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                     do_sample=False)
     return tuple(out[0, ids.shape[1]:].tolist())

@@ -137,20 +137,37 @@ def shared_prefix_attention(
         prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
                   for k, v in layer.segments]
         return _combine([_partials(query, prefix, key, value, scale, fused)], query.shape, query.dtype), None
-    # Several requests in one batch. A prefix segment (a radix-cache node) that several requests
-    # share is read once, with all their queries in one product; each request then merges its own
-    # segments in its own order and attends to its own suffixes, so every row sees exactly the
-    # operations it would see alone (the batch only widens the linear layers).
     layer = cache.layers[module.layer_idx]
+    if not layer.prompt_spans:
+        return _batch_attention(query, key.shape[1], layer, cache.row_ranges, scale, fused), None
+    # A step that also prefills prompts runs one flattened row (1, H, rows + prompt tokens, D): the
+    # decoding rows' queries first, one token each, then each prompt's new tokens.
+    rows = cache.num_rows
+    batch_heads = query.shape[1]
+    outputs = [_batch_attention(query[:, :, :rows].transpose(0, 2), key.shape[1], layer, cache.row_ranges, scale,
+                                fused).reshape(1, rows, batch_heads, head_dim)]
+    for (start, stop), prefix, (new_keys, new_values) in zip(layer.prompt_spans, layer.prompt_prefixes,
+                                                              layer.prompt_new):
+        outputs.append(_prompt_attention(query[:, :, start:stop], prefix, new_keys, new_values, scale))
+    return torch.cat(outputs, dim=1), None
+
+
+def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeLayer,
+                     row_ranges: list[tuple[int, int]], scale: float, fused: bool) -> torch.Tensor:
+    """The decoding rows of several requests: ``query`` (B, H, T, D); returns (B, T, H, D).
+
+    A prefix segment (a radix-cache node) that several requests share is read once, with all their
+    queries in one product; each request then merges its own segments in its own order and attends
+    to its own suffixes, so every row sees exactly the operations it would see alone (the batch
+    only widens the linear layers)."""
     if len(layer.group_layers) == 1:  # one request: nothing to share, skip the bookkeeping
         (keys, values), group_layer = layer.views[0], layer.group_layers[0]
-        prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
+        prefix = [_segment_attention(_prefix_rows(query, num_kv_heads), k, v, scale, fused, query.shape[0])
                   for k, v in group_layer.segments]
-        return _combine([_partials(query, prefix, keys, values, scale, fused)], query.shape, query.dtype), None
-    num_kv_heads = key.shape[1]
+        return _combine([_partials(query, prefix, keys, values, scale, fused)], query.shape, query.dtype)
     per_group: list[list] = [[None] * len(g.segments) for g in layer.group_layers]
     for (seg_k, seg_v), users in layer.shared_segments():
-        rows = [query[cache.row_ranges[g][0]:cache.row_ranges[g][1]] for g, _ in users]
+        rows = [query[row_ranges[g][0]:row_ranges[g][1]] for g, _ in users]
         q = torch.cat([_prefix_rows(r, num_kv_heads) for r in rows], dim=2) if len(rows) > 1 else \
             _prefix_rows(rows[0], num_kv_heads)
         out, lse = _segment_attention(q, seg_k, seg_v, scale, fused, None)  # (1, H_kv, R, D), (1, H_kv, R)
@@ -161,8 +178,28 @@ def shared_prefix_attention(
                                                       r.shape[0])
             offset += width
     partials = [_partials(query[start:stop], per_group[g], keys, values, scale, fused)
-                for g, ((start, stop), (keys, values)) in enumerate(zip(cache.row_ranges, layer.views))]
-    return _combine(partials, query.shape, query.dtype), None
+                for g, ((start, stop), (keys, values)) in enumerate(zip(row_ranges, layer.views))]
+    return _combine(partials, query.shape, query.dtype)
+
+
+def _prompt_attention(query: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
+                      new_keys: torch.Tensor, new_values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt's new tokens, prefilled in a decode step: ``query`` (1, H, T, D) over the prompt's
+    cached prefix (1, H_kv, P, D), if any, and causally over its own new KV (1, H_kv, T, D), as
+    the model's SDPA prefill computes it. Returns (1, T, H, D)."""
+    num_new = query.shape[2]
+    if prefix is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True,
+                                                               scale=scale, enable_gqa=True)
+    else:
+        num_prefix = prefix[0].shape[2]
+        keys = torch.cat([prefix[0], new_keys], dim=2)
+        values = torch.cat([prefix[1], new_values], dim=2)
+        visible = torch.arange(num_prefix + num_new, device=query.device)[None, :] <= (
+            torch.arange(num_new, device=query.device)[:, None] + num_prefix)  # (T, P + T)
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
+                                                               enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def _merge_prefix_segments(prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +217,14 @@ def _merge_prefix_segments(prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> t
 # would depend on its batch. Padding to a multiple of every vector width sends every element through
 # the vector code, whatever the batch.
 VECTOR_ALIGNMENT = 64
+
+
+# The same holds for matrix products on some CPUs (AVX-512 ones among them): a product of a few
+# query rows takes another kernel than one of many, so a prefix segment read once for all of a
+# step's rows would give a row other bits than when its request runs alone. Padded with zero rows to
+# a multiple of this, every row goes through the same kernel tiles whatever the row count (measured
+# on AVX-512 for 8 to 1,100 rows, fused and unfused).
+ROW_ALIGNMENT = 8
 
 
 def _vector_aligned(fn: Any, *tensors: torch.Tensor) -> torch.Tensor:
@@ -254,8 +299,14 @@ def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch
     """Attention of prefix-shaped queries (1, H_kv, R, D) over one prefix segment (1, H_kv, P, D).
     Returns ``(out, lse)`` as (1, H_kv, R, D), (1, H_kv, R), or per branch (``_rows_to_branches``)
     when ``batch`` is given."""
+    rows = q_prefix.shape[2]
+    pad = -rows % ROW_ALIGNMENT if q_prefix.device.type == "cpu" else 0
+    if pad:
+        q_prefix = torch.nn.functional.pad(q_prefix, (0, 0, 0, pad))
     result = fused_cpu_attention(q_prefix, keys, values, scale) if fused else None
     out, lse = result if result is not None else partial_attention(q_prefix, keys, values, scale)
+    if pad:
+        out, lse = out[:, :, :rows], lse[:, :, :rows]
     return _rows_to_branches(out, lse, batch) if batch is not None else (out, lse)
 
 
@@ -490,11 +541,18 @@ class BatchDecodeLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, group_layers: list[SharedPrefixLayer], row_ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, group_layers: list[SharedPrefixLayer], row_ranges: list[tuple[int, int]],
+                 prompt_prefixes: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                 prompt_spans: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.group_layers = group_layers
         self.row_ranges = row_ranges
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group, its suffixes after the update
+        # Prompts prefilled in the same forward: each one's cached prefix (1, H_kv, P, D) or None,
+        # its tokens' span in the flattened row, and, after the update, its new KV (1, H_kv, T, D).
+        self.prompt_prefixes = prompt_prefixes or []
+        self.prompt_spans = prompt_spans or []
+        self.prompt_new: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Per group, its suffix length before the latest ``update``, which ``crop`` returns to.
         self._lengths_before_update: list[int] | None = None
         self.is_initialized = True
@@ -526,6 +584,12 @@ class BatchDecodeLayer(CacheLayerMixin):
         Out of memory part-way (a request's buffer failing to grow), the requests before it have
         their new positions and the rest do not; ``crop`` undoes exactly that."""
         self._lengths_before_update = [layer.num_suffix_tokens for layer in self.group_layers]
+        if self.prompt_spans:  # one flattened row (1, H_kv, N, D): the decoding rows' tokens come first
+            self.prompt_new = [(key_states[:, :, start:stop], value_states[:, :, start:stop])
+                               for start, stop in self.prompt_spans]
+            rows = self.row_ranges[-1][1]
+            key_states = key_states[:, :, :rows].transpose(0, 2)  # (B, H_kv, 1, D)
+            value_states = value_states[:, :, :rows].transpose(0, 2)
         self.views = [
             layer.update(key_states[start:stop], value_states[start:stop])
             for layer, (start, stop) in zip(self.group_layers, self.row_ranges)
@@ -578,14 +642,26 @@ class BatchDecodeCache(Cache):
     the scheduler (it only references the requests' caches; nothing is copied). Positions differ from
     request to request, so the forward must be given ``position_ids`` (see ``position_ids``).
 
+    With ``prompts``, the same forward also prefills prompts: the input is one flattened row, the
+    decoding rows' next tokens (one each, in batch order) and then each prompt's new tokens
+    (``input_ids`` and ``position_ids`` of shape (1, rows + prompt tokens)). A prompt's tokens
+    attend to its cached prefix and causally to each other; its new KV is in ``prompt_kv`` after
+    the forward.
+
     Args:
         caches: One per request, in batch order.
         fused: Use PyTorch's fused CPU attention kernel where available.
+        prompts: Per prompt, ``(prefix, num_new_tokens)``: the cached prefix's per-layer
+            ``(keys, values)`` (each (1, H_kv, P, D)), or None when nothing of it is cached.
     """
 
-    def __init__(self, caches: list[SharedPrefixCache], fused: bool = True) -> None:
+    def __init__(self, caches: list[SharedPrefixCache], fused: bool = True,
+                 prompts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, int]] | None = None) -> None:
         if not caches:
             raise ValueError("a batch needs at least one request")
+        prompts = prompts or []
+        if any(num_new < 1 for _, num_new in prompts):
+            raise ValueError("a prompt prefilled in a decode step needs at least one new token")
         self.caches = caches
         self.row_ranges: list[tuple[int, int]] = []
         start = 0
@@ -594,17 +670,33 @@ class BatchDecodeCache(Cache):
             self.row_ranges.append((start, start + rows))
             start += rows
         self.num_rows = start
-        layers = [BatchDecodeLayer([c.layers[i] for c in caches], self.row_ranges) for i in range(len(caches[0].layers))]
+        self.prompt_spans: list[tuple[int, int]] = []
+        for _, num_new in prompts:
+            self.prompt_spans.append((start, start + num_new))
+            start += num_new
+        layers = [BatchDecodeLayer([c.layers[i] for c in caches], self.row_ranges,
+                                   [prefix[i] if prefix is not None else None for prefix, _ in prompts],
+                                   self.prompt_spans)
+                  for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
         self.fused = fused
         self.num_attention_calls = 0
 
-    def position_ids(self, device: torch.device) -> torch.Tensor:
-        """(B, 1) absolute position of each row's next token."""
+    def position_ids(self, device: torch.device, prompt_starts: list[int] | None = None) -> torch.Tensor:
+        """(B, 1) absolute position of each row's next token; with prompts, (1, B + prompt tokens),
+        each prompt's new tokens numbered from its ``prompt_starts`` entry (its cached tokens)."""
         positions = []
         for cache, (start, stop) in zip(self.caches, self.row_ranges):
             positions += [cache.layers[0].get_seq_length()] * (stop - start)
-        return torch.tensor(positions, device=device)[:, None]
+        if not self.prompt_spans:
+            return torch.tensor(positions, device=device)[:, None]
+        for first, (start, stop) in zip(prompt_starts or [0] * len(self.prompt_spans), self.prompt_spans):
+            positions += range(first, first + stop - start)
+        return torch.tensor(positions, device=device)[None, :]
+
+    def prompt_kv(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Prompt ``index``'s new tokens' KV per layer, (1, H_kv, T, D) each, after the forward."""
+        return [layer.prompt_new[index] for layer in self.layers]
 
     def forward_kwargs(self) -> dict[str, Any]:
         return {CACHE_KWARG: self}

@@ -253,13 +253,7 @@ class Prefiller:
 
     def _check_packing(self, packed: Prefilled) -> None:
         """Compare one packed prompt's last logits with the same prompt prefilled alone, once."""
-        from transformers import DynamicCache
-
-        alone = self.runner.forward(torch.tensor([packed.prompt_ids], device=self.runner.device),
-                                    DynamicCache(config=self.runner.model.config), logits_to_keep=1)
-        want, got = alone.logits[:, -1].float(), packed.last_logits.float()
-        diff = float((got - want).abs().max())
-        tolerance = logit_tolerance(want, self.runner.dtype)
+        diff, tolerance = self.difference_from_alone(packed)
         if not diff <= tolerance:  # also catches NaN
             self._packs_prompts = False
             self.counters.count("packed_prefill_disabled")
@@ -267,6 +261,61 @@ class Prefiller:
                 f"packed prefill changed the logits by {diff:.3g} (> {tolerance:.3g}): this model does not honour "
                 "a packed mask or positions, so prompts are prefilled one by one from now on")
         self._packing_checked = True
+
+    def difference_from_alone(self, prefilled: Prefilled) -> tuple[float, float]:
+        """How far ``prefilled``'s last logits are from its prompt prefilled alone in a fresh cache,
+        and how far rounding alone may take them (``logit_tolerance``)."""
+        from transformers import DynamicCache
+
+        alone = self.runner.forward(torch.tensor([prefilled.prompt_ids], device=self.runner.device),
+                                    DynamicCache(config=self.runner.model.config), logits_to_keep=1)
+        want, got = alone.logits[:, -1].float(), prefilled.last_logits.float()
+        return float((got - want).abs().max()), logit_tolerance(want, self.runner.dtype)
+
+    # -- prompts prefilled inside a decode step ---------------------------------------------------
+    def match_prompts(self, prompts: Sequence[list[int]]) -> list[tuple[Any, int, Any]]:
+        """Each prompt's longest cached prefix (``cache_for_prefix``: cache, tokens, node), for a
+        caller that computes the rest in a forward of its own (the scheduler's decode step). The
+        nodes stay locked until ``release_prompts``."""
+        matches: list[tuple[Any, int, Any]] = []
+        try:
+            for prompt_ids in prompts:
+                matches.append(self.cache_for_prefix(list(prompt_ids)))
+        except BaseException:
+            self.release_prompts(matches)
+            raise
+        return matches
+
+    def release_prompts(self, matches: Sequence[tuple[Any, int, Any]]) -> None:
+        """Unlock what ``match_prompts`` locked."""
+        for _, _, node in matches:
+            if node is not None:
+                self.prefix_cache.unlock(node)
+
+    def finish_prompts(self, prompts: Sequence[list[int]], matches: Sequence[tuple[Any, int, Any]],
+                       new_kv: Sequence[list[tuple[torch.Tensor, torch.Tensor]]], last_logits: torch.Tensor
+                       ) -> list[Prefilled]:
+        """The ``Prefilled`` of prompts whose uncached tokens another forward computed: each prompt's
+        cached prefix (``matches``) joined with its new KV (``new_kv``, per layer (1, H_kv, T, D)),
+        inserted into the radix cache and counted like ``prefill``. ``last_logits`` (prompts, V)."""
+        from transformers import DynamicCache
+
+        model_config = self.runner.model.config
+        results = []
+        for index, (prompt_ids, (cached, matched, _), layers) in enumerate(zip(prompts, matches, new_kv)):
+            if matched:
+                kv = [(torch.cat([old.keys, keys], dim=2), torch.cat([old.values, values], dim=2))
+                      for old, (keys, values) in zip(cached.layers, layers)]
+            else:  # a copy: the new KV is a view of the whole step's projections
+                kv = [(keys.clone(), values.clone()) for keys, values in layers]
+            cache = DynamicCache(ddp_cache_data=kv, config=model_config)
+            results.append(Prefilled(list(prompt_ids), cache, last_logits[index:index + 1], matched))
+        if self.cacheable:
+            for result in results:
+                self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
+        for result in results:
+            self._count_prefill(len(result.prompt_ids) - result.num_cached_tokens, result.num_cached_tokens)
+        return results
 
     def _packed_pass(self, prompts: list[list[int]], matches: list[tuple[Any, int, Any]]) -> list[Prefilled]:
         from transformers import DynamicCache

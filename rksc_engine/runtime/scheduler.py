@@ -8,7 +8,8 @@ Each step, under the engine lock:
    however many branches it asks for) while the batch has rows left (``scheduler.max_batch_rows``)
    and the step's prefill budget (``scheduler.max_prefill_tokens``) is not spent. A prompt longer
    than the budget is prefilled in chunks of that size, one per step, while the running requests go
-   on decoding between them.
+   on decoding between them. Prompts that fit whole are prefilled together in one forward
+   (``packed_prefill``), or, when rows are decoding, in the decode's own forward (``mixed_prefill``).
 3. **Decode**: every running row of every request advances one token in **one forward**. Each
    request keeps its own ``SharedPrefixCache`` (its prompt once, its branches' suffixes); the forward
    sees them together as a ``BatchDecodeCache``, whose attention runs each request's rows over its
@@ -41,19 +42,15 @@ import torch
 from ..config import SamplingParams, SchedulerConfig
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.prefix_match import common_prefix_length
-from ..kvcache.shared_prefix import (
-    ATTENTION_NAME,
-    BatchDecodeCache,
-    SharedPrefixCache,
-    attention_implementation,
-    initial_suffix_capacity,
-)
-from ..results import BranchEvent, Completion, EngineStats, StreamChunk
+from ..kvcache.shared_prefix import SharedPrefixCache, initial_suffix_capacity
+from ..results import BranchEvent, EngineStats
+from .batch_forward import forward_rows, forward_rows_and_prompts
+from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import ModelRunner
-from .prefill import Prefiller
+from .prefill import Prefilled, Prefiller
 from .request import Branch, Request
 from .sampling import choose_next_tokens, make_generators
 from .stats import Counters
@@ -117,6 +114,10 @@ class Scheduler:
         # What is left of this step's prefill budget: the size of the next prefill pass.
         self._pass_tokens = 0
         self._spawned: list[Request] = []  # waves added during the current decode
+        # Admitted prompts whose prefill rides in this step's decode forward (``mixed_prefill``).
+        self._pack_in_flight: list[Request] = []
+        self._mixes_prompts = True  # False once a mixed step failed its check or any non-OOM failure
+        self._mixed_checked = False
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
@@ -294,16 +295,18 @@ class Scheduler:
         self._stepping = True
         try:
             self._reap_cancelled()
-            self._admit()
+            pack = self._admit()
             if self._running:
-                self._decode()
+                self._decode(pack)
+            elif pack:
+                self._prefill_pack(pack)
             self.num_steps += 1
         except BaseException as error:
             logger.exception("scheduler step failed; failing the %d running requests", len(self._running))
             failure = _as_failure(error)
-            for request in [*self._running, *self._prefilling, *self._spawned]:
+            for request in [*self._running, *self._prefilling, *self._spawned, *self._pack_in_flight]:
                 self._fail(request, failure)
-            self._spawned = []
+            self._spawned, self._pack_in_flight = [], []
             self._running, self._prefilling = [], []
             self._rows_cap = None
             if not isinstance(error, Exception):
@@ -343,19 +346,21 @@ class Scheduler:
         self._running = [r for r in self._running if r.active and not r.head.channel.finished]
 
     # -- admission ------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
         """Advance the requests whose long prompts are being prefilled in chunks, then start waiting
         requests, while the step's prefill budget (``max_prefill_tokens``) and the batch's rows last.
         The first prefill of a step always runs, so no prompt waits forever.
 
         Prompts that fit the budget whole are gathered into a pack and prefilled in one forward
         (``packed_prefill``), as long as none shares an uncached prefix with an earlier one in the
-        pack: such a prompt waits for the pack to be prefilled and cached, then reuses it."""
+        pack: such a prompt waits for the pack to be prefilled and cached, then reuses it. When rows
+        are decoding (``mixed_prefill``), the pack is returned instead, for the decode forward to
+        prefill it; otherwise the returned list is empty."""
         config = self.config
         budget = config.max_prefill_tokens
         for request in list(self._prefilling):
             if budget <= 0:
-                return
+                return []
             budget -= self._prefill_more(request, budget)
         pack: list[Request] = []
         try:
@@ -365,13 +370,22 @@ class Scheduler:
             for request in failed:
                 self._fail(request, _as_failure(error))
             raise
+        if pack and self._mixes(pack):
+            self._pack_in_flight = pack
+            return pack
         self._prefill_pack(pack)
+        return []
+
+    def _mixes(self, pack: list[Request]) -> bool:
+        """Whether this step's decode forward prefills ``pack``: rows decode on the shared-prefix path."""
+        return (self.config.mixed_prefill and self._mixes_prompts and all(r.shared_prefix for r in pack)
+                and any(r.shared for r in self._running))
 
     def _admit_waiting(self, budget: int, pack: list[Request]) -> None:
         """Admit waiting requests within ``budget`` prompt tokens and the batch's rows. Prompts that
         may be packed are gathered in ``pack`` (the caller prefills what is left in it)."""
         config = self.config
-        packing = config.packed_prefill and self.prefiller.packs_prompts()
+        packing = (config.packed_prefill or config.mixed_prefill) and self.prefiller.packs_prompts()
         while budget > 0:
             with self._cv:
                 if not self._waiting:
@@ -421,7 +435,7 @@ class Scheduler:
     def _prefill_pack(self, pack: list[Request]) -> None:
         """Prefill the gathered prompts: one forward for two or more, the usual path for one. If the
         packed forward fails, each prompt takes the usual path, and its own failure is its own."""
-        if len(pack) <= 1:
+        if len(pack) <= 1 or not self.config.packed_prefill:
             self._prefill_each(pack)
             return
         try:
@@ -436,6 +450,10 @@ class Scheduler:
             for request in pack:
                 self._fail(request, _as_failure(error))
             raise
+        self._start_prefilled(pack, prefilled)
+
+    def _start_prefilled(self, pack: list[Request], prefilled: list[Prefilled]) -> None:
+        """Start each request of ``pack`` from its prefilled prompt; a failure is the request's own."""
         for index, (request, result) in enumerate(zip(pack, prefilled)):
             try:
                 self._start(request, result)
@@ -639,18 +657,25 @@ class Scheduler:
 
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _decode(self) -> None:
+    def _decode(self, pack: list[Request] | None = None) -> None:
+        """Every running row one token further; ``pack`` (admitted prompts) prefilled in the same
+        forward when it can be, else the usual way after it. Either way the pack's requests start
+        after the decode and take their next token in the next step."""
         runner = self.runner
+        pack = pack or []
         batched = [r for r in self._running if r.shared]
         alone = [r for r in self._running if not r.shared]
         still_running: list[Request] = []
-        if batched:
-            cache = BatchDecodeCache([r.cache for r in batched])
-            input_ids = torch.cat([r.next_tokens for r in batched])[:, None]  # (B, 1)
+        mixed = self._decode_with_prompts(batched, pack) if batched and pack else None
+        prefilled: list[Prefilled] | None = None
+        if mixed is not None:
+            logits, row_ranges, prefilled = mixed
+            for request, (start, stop) in zip(batched, row_ranges):
+                if self._advance_or_fail(request, logits[start:stop]):
+                    still_running.append(request)
+        elif batched:
             try:
-                with attention_implementation(runner.model, ATTENTION_NAME):
-                    out = runner.forward(input_ids, cache, position_ids=cache.position_ids(runner.device),
-                                         **cache.forward_kwargs())
+                logits, row_ranges = forward_rows(runner, batched)
             except Exception as error:
                 # Out of memory even after evicting and retrying (every cache was rolled back):
                 # preempt the newest request, to be recomputed when there is room; the rest go on.
@@ -663,8 +688,7 @@ class Scheduler:
                     still_running += [r for r in batched if r is not victim]
                     self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
             else:
-                logits = out.logits[:, -1, :]  # (B, V)
-                for request, (start, stop) in zip(batched, cache.row_ranges):
+                for request, (start, stop) in zip(batched, row_ranges):
                     if self._advance_or_fail(request, logits[start:stop]):
                         still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
@@ -687,6 +711,32 @@ class Scheduler:
         kept = {id(r) for r in still_running}
         self._running = [r for r in self._running if id(r) in kept and r.active and not r.head.channel.finished]
         self._running += self._take_spawned()
+        if pack:
+            self._pack_in_flight = []
+            if prefilled is not None:
+                self._start_prefilled(pack, prefilled)
+            else:
+                self._prefill_pack(pack)
+
+    def _decode_with_prompts(self, batched: list[Request], pack: list[Request]) -> Any:
+        """``forward_rows_and_prompts``; None when it failed, with the rows as they were (the caller
+        decodes them and prefills the pack the usual way, where each failure is its own). A failure
+        other than running out of memory, or a failed first check, stops mixing for good."""
+        check = not self._mixed_checked
+        try:
+            result = forward_rows_and_prompts(self.runner, self.prefiller, batched, [r.prompt_ids for r in pack],
+                                              check=check)
+        except Exception as error:  # noqa: BLE001 - an optimisation: the usual path decides each request's fate
+            self.counters.count("mixed_prefill_fallbacks")
+            if not _is_oom(error):
+                self._mixes_prompts = False
+                self.counters.count("mixed_prefill_disabled")
+                logger.warning("prefilling prompts in the decode forward failed; prefilling them apart from now on",
+                               exc_info=True)
+            return None
+        self._mixed_checked = True
+        self.counters.count("mixed_prefills")
+        return result
 
     def _oom_victim(self, error: BaseException) -> Request | None:
         """The request to preempt after ``error``: the newest that can start over, when it is out of
@@ -719,12 +769,13 @@ class Scheduler:
         tokens, logprobs = choose_next_tokens(logits, params, generators)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
-            self._append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new)
+            append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,
+                         self.runner.eos_token_ids, self.tokenizer)
         self.counters.count("decode_tokens", len(request.active))
         if head.monitor is not None:
             events = [BranchEvent(b, token_list[row], logprob_list[row], len(request.branches[b].token_ids),
                                   request.branches[b].text,
-                                  self._completion(request, request.branches[b])
+                                  completion(request, request.branches[b])
                                   if request.branches[b].finish_reason is not None else None)
                       for row, b in enumerate(request.active)]
             control = head.monitor.observe(events)
@@ -736,7 +787,7 @@ class Scheduler:
         if request.stream:
             for b in request.active:  # a branch stopped by the monitor ends in _stop_branches
                 if request.branches[b].finish_reason is not None or b not in head.pending_stop:
-                    self._emit(request, request.branches[b])
+                    emit(request, request.branches[b])
         request.next_tokens = tokens
         if not self._stop_branches(request):
             self._member_done(request)
@@ -755,7 +806,7 @@ class Scheduler:
                 head.branches_stopped = True
                 self.counters.count("branches_cancelled")
                 if request.stream:
-                    self._emit(request, branch)
+                    emit(request, branch)
             if branch.finish_reason is None:
                 keep_rows.append(row)
         head.pending_stop -= set(request.active)
@@ -790,59 +841,13 @@ class Scheduler:
             except Exception:  # caching is an optimisation: the request's answer stands without it
                 logger.exception("could not cache the KV of request %d's answer", request.request_id)
         self._release(request)
-        completions = [self._completion(request, b) for b in request.branches]
+        completions = [completion(request, b) for b in request.branches]
         self.runner.request_finished()
         try:
             self.publish_stats()  # before the caller wakes, so its stats() sees this request
         except Exception:
             logger.exception("could not publish the engine's stats")
         request.channel.finish(completions)
-
-    def _append_token(self, branch: Branch, token: int, logprob: float, params: SamplingParams, max_new: int) -> None:
-        branch.token_ids.append(token)
-        branch.logprobs.append(logprob)
-        if len(branch.token_ids) > branch.skip_tokens:
-            branch.pending_ids.append(token)
-        if token in self.runner.eos_token_ids:
-            branch.finish_reason = "eos"
-            return
-        branch.text = self.tokenizer.decode(branch.token_ids, skip_special_tokens=True)
-        if params.stop:
-            cut = first_stop(branch.text, params.stop)
-            if cut is not None:
-                branch.text = branch.text[:cut]
-                branch.finish_reason = "stop"
-                return
-        if len(branch.token_ids) >= max_new:
-            branch.finish_reason = "length"
-
-    def _emit(self, request: Request, branch: Branch) -> None:
-        """Stream what ``branch`` may show now: never a possible start of a stop string, never half a
-        character. Its final chunk (when it has finished) carries the ``Completion``."""
-        if branch.finish_reason is None:
-            safe = safe_stream_end(branch.text, request.params.stop)
-            if safe > branch.emitted_chars:
-                request.channel.push(StreamChunk(branch.text[branch.emitted_chars:safe], tuple(branch.pending_ids),
-                                                 branch_index=branch.index))
-                branch.emitted_chars, branch.pending_ids = safe, []
-            return
-        completion = self._completion(request, branch)
-        request.channel.push(StreamChunk(completion.text[branch.emitted_chars:], tuple(branch.pending_ids),
-                                         completion, branch_index=branch.index))
-        branch.emitted_chars, branch.pending_ids = len(completion.text), []
-
-    def _completion(self, request: Request, branch: Branch) -> Completion:
-        return Completion(
-            text=branch.text,
-            token_ids=tuple(branch.token_ids),
-            logprobs=tuple(branch.logprobs),
-            finish_reason=branch.finish_reason or "length",
-            num_prompt_tokens=len(request.prompt_ids),
-            num_cached_tokens=request.num_cached_tokens,
-            branch_index=branch.index,
-            seed=request.seed,
-            asks=request.asks,
-        )
 
 
 def _shares_uncached_prefix(prompt_ids: list[int], cached: int, pack: list[Request]) -> bool:
@@ -866,23 +871,3 @@ def _as_failure(error: BaseException) -> BaseException:
 
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)
-
-
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index of the earliest stop string in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def safe_stream_end(text: str, stops: tuple[str, ...]) -> int:
-    """How much of ``text`` can be streamed: not a trailing partial character, nor a tail that
-    could be the beginning of a stop string."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-        end -= 1
-    for stop in stops:
-        for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[end - k:end] == stop[:k]:
-                end -= k
-                break
-    return end

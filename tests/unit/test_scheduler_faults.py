@@ -249,7 +249,9 @@ def test_a_step_never_prefills_more_than_its_token_budget(monkeypatch):
 
 
 def test_out_of_memory_in_a_prefill_requeues_it_while_others_run_and_both_stay_exact(monkeypatch):
-    engine = engine_for()
+    # The arrival's own prefill forward, which mixed prefill would fold into the decode's
+    # (test_mixed_prefill.py covers running out of memory there).
+    engine = engine_for(scheduler=SchedulerConfig(mixed_prefill=False))
     want_long = tokens(engine.generate_branches("running request", 2, SAMPLED))
     want_new = engine.generate("late arrival", GREEDY).token_ids
     engine.clear_cache()

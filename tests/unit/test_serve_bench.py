@@ -35,6 +35,8 @@ def test_the_quick_serve_benchmark_runs_on_a_model_directory_and_reports_every_a
             for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith("| arm")}
     requests, tokens, _, tokens_per_s, _, same = rows["in-process"]
     assert (requests, same) == ("4", "4/4") and int(tokens) > 0 and float(tokens_per_s) > 0
+    assert rows["in-process, mixed prefill off"][1] == tokens
+    assert rows["in-process, mixed prefill off"][-1] == "4/4", "mixing prefill with decode must not change answers"
     assert rows["rksc serve"][0] == "4" and rows["rksc serve"][1] == tokens, "the server generated other tokens"
     assert rows["rksc serve"][-1] == "4/4", "greedy answers over HTTP must equal the in-process ones"
     assert rows["transformers serve"][0] == "not run: --skip-transformers-serve"

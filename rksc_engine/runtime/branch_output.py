@@ -1,0 +1,88 @@
+"""What a branch's sampled tokens become for its caller: text with stop strings cut, stream chunks
+that never show part of a stop string or half a character, and the final ``Completion``.
+
+The scheduler calls these once per sampled token; they change only the branch and the request's
+channel, never the batch or the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from ..config import SamplingParams
+from ..results import Completion, StreamChunk
+from .request import Branch, Request
+
+
+def append_token(branch: Branch, token: int, logprob: float, params: SamplingParams, max_new: int,
+                 eos_token_ids: Collection[int], tokenizer: Any) -> None:
+    """Record ``token`` on ``branch`` and set its ``finish_reason`` when it ends the branch: an end
+    of sequence token, a stop string in the text (the text is cut before it), or ``max_new`` tokens."""
+    branch.token_ids.append(token)
+    branch.logprobs.append(logprob)
+    if len(branch.token_ids) > branch.skip_tokens:
+        branch.pending_ids.append(token)
+    if token in eos_token_ids:
+        branch.finish_reason = "eos"
+        return
+    branch.text = tokenizer.decode(branch.token_ids, skip_special_tokens=True)
+    if params.stop:
+        cut = first_stop(branch.text, params.stop)
+        if cut is not None:
+            branch.text = branch.text[:cut]
+            branch.finish_reason = "stop"
+            return
+    if len(branch.token_ids) >= max_new:
+        branch.finish_reason = "length"
+
+
+def emit(request: Request, branch: Branch) -> None:
+    """Stream what ``branch`` may show now: never a possible start of a stop string, never half a
+    character. Its final chunk (when it has finished) carries the ``Completion``."""
+    if branch.finish_reason is None:
+        safe = safe_stream_end(branch.text, request.params.stop)
+        if safe > branch.emitted_chars:
+            request.channel.push(StreamChunk(branch.text[branch.emitted_chars:safe], tuple(branch.pending_ids),
+                                             branch_index=branch.index))
+            branch.emitted_chars, branch.pending_ids = safe, []
+        return
+    done = completion(request, branch)
+    request.channel.push(StreamChunk(done.text[branch.emitted_chars:], tuple(branch.pending_ids), done,
+                                     branch_index=branch.index))
+    branch.emitted_chars, branch.pending_ids = len(done.text), []
+
+
+def completion(request: Request, branch: Branch) -> Completion:
+    """``branch``'s result as its caller receives it."""
+    return Completion(
+        text=branch.text,
+        token_ids=tuple(branch.token_ids),
+        logprobs=tuple(branch.logprobs),
+        finish_reason=branch.finish_reason or "length",
+        num_prompt_tokens=len(request.prompt_ids),
+        num_cached_tokens=request.num_cached_tokens,
+        branch_index=branch.index,
+        seed=request.seed,
+        asks=request.asks,
+    )
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index of the earliest stop string in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def safe_stream_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of ``text`` can be streamed: not a trailing partial character, nor a tail that
+    could be the beginning of a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - k:end] == stop[:k]:
+                end -= k
+                break
+    return end
