@@ -4,10 +4,10 @@ Every arm answers the same workload: ``--clients`` concurrent clients, each send
 chat requests one after another (distinct questions), greedy, ``--max-tokens`` each:
 
     in-process          ``engine.submit`` from asyncio tasks in this process: the baseline, no HTTP.
-    in-process, mixed prefill off
-                        the same with ``SchedulerConfig(mixed_prefill=False)``: each arrival's prompt
-                        prefilled in a forward of its own rather than in the running rows' decode
-                        forward (cache cleared first, so both arms start cold).
+    in-process, mixed prefill on
+                        the same with ``SchedulerConfig(mixed_prefill=True)``: each arrival's prompt
+                        prefilled in the running rows' decode forward rather than in a forward of its
+                        own (cache cleared first, so both arms start cold).
     rksc serve          the ``rksc serve`` command as a subprocess on a free loopback port.
     transformers serve  ``transformers serve <model dir>`` as a subprocess on a free loopback port,
                         offline (``HF_HUB_OFFLINE=1``), same device and dtype. When it cannot run, the
@@ -21,8 +21,14 @@ the in-process arm's (the HTTP overhead, for ``rksc serve``); the ``rksc serve``
 ``transformers serve`` ratio is printed under the table. ``same answers`` counts the answers equal
 to the in-process arm's greedy text: ``rksc serve`` must match all of them.
 
+With ``--arrivals poisson``, the ``--clients`` requests arrive instead at the times of a Poisson
+process (``--arrival-rate`` requests per second, seeded by ``--seed``), one streamed request each, and
+every arm also reports the time to first token (from sending a request to its first generated token)
+at the 50th and 99th percentiles (nearest rank: of 16 requests, p99 is the slowest).
+
     python benchmarks/serve.py --quick                    # smoke run: 2 clients x 2 requests, 8 tokens
     python benchmarks/serve.py --out docs/bench/serve.md  # 8 clients x 4 requests, 64 tokens
+    python benchmarks/serve.py --arrivals poisson --clients 16 --transformers-continuous-batching
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import json
+import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -58,6 +67,7 @@ class Workload:
     prompts: list[Messages]  # request i is sent by client i % clients
     clients: int
     max_tokens: int
+    arrivals: list[float] | None = None  # seconds from the start at which request i is sent (streamed)
 
     def per_client(self, client: int) -> list[tuple[int, Messages]]:
         return [(i, p) for i, p in enumerate(self.prompts) if i % self.clients == client]
@@ -72,6 +82,12 @@ class Arm:
     tokens: int = 0
     seconds: float = 0.0
     not_run: str | None = None
+    first_token_s: list[float] = field(default_factory=list)  # per request, with arrivals
+
+    def first_token_percentile(self, q: float) -> float:
+        """Nearest-rank percentile ``q`` (0-100) of the times to first token."""
+        ordered = sorted(self.first_token_s)
+        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,23 +98,38 @@ class ServerFailed(RuntimeError):
     """A server subprocess that exited or never became healthy; the message says why."""
 
 
-def workload(clients: int, requests: int, max_tokens: int) -> Workload:
+def workload(clients: int, requests: int, max_tokens: int, arrivals: list[float] | None = None) -> Workload:
     prompts = [[{"role": "user", "content": f"Question {i}: what is {3 + i} plus {7 * i + 2}? Explain briefly."}]
                for i in range(clients * requests)]
-    return Workload(prompts, clients, max_tokens)
+    return Workload(prompts, clients, max_tokens, arrivals)
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """``count`` arrival times (s) of a Poisson process of ``rate`` per second: exponential gaps."""
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+WARM_UP: Messages = [{"role": "user", "content": "Warm-up: say hello."}]
 
 
 # -- clients ------------------------------------------------------------------------------------
 async def _drive(work: Workload, ask: Callable[[Messages], Any], name: str) -> Arm:
-    """Run the workload with ``ask(messages) -> (text, generated tokens)``; the clock covers it all."""
+    """Run the workload with ``ask(messages) -> (text, generated tokens, first token time or None)``;
+    the clock covers it all."""
     arm = Arm(name, answers=[""] * len(work.prompts))
+    if work.arrivals is not None:
+        return await _drive_arrivals(work, ask, arm)
     await ask(work.prompts[0])  # warm-up, outside the timing
     bar = tqdm(total=len(work.prompts), desc=name, file=sys.stderr, leave=False)
 
     async def client(k: int) -> int:
         tokens = 0
         for i, messages in work.per_client(k):
-            arm.answers[i], generated = await ask(messages)
+            arm.answers[i], generated, _ = await ask(messages)
             tokens += generated
             bar.update(1)
         return tokens
@@ -110,23 +141,54 @@ async def _drive(work: Workload, ask: Callable[[Messages], Any], name: str) -> A
     return arm
 
 
+async def _drive_arrivals(work: Workload, ask: Callable[[Messages], Any], arm: Arm) -> Arm:
+    """Each request sent at its arrival time, whatever the others are doing (an open loop)."""
+    arrivals = work.arrivals or []
+    arm.first_token_s = [0.0] * len(work.prompts)
+    await ask(WARM_UP)  # warm-up, outside the timing, with a prompt no request begins with
+    bar = tqdm(total=len(work.prompts), desc=arm.name, file=sys.stderr, leave=False)
+    start = time.perf_counter()
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        sent = time.perf_counter()
+        arm.answers[i], generated, first = await ask(work.prompts[i])
+        arm.first_token_s[i] = (first if first is not None else time.perf_counter()) - sent
+        bar.update(1)
+        return generated
+
+    arm.tokens = sum(await asyncio.gather(*(one(i) for i in range(len(work.prompts)))))
+    arm.seconds = time.perf_counter() - start
+    bar.close()
+    return arm
+
+
 def in_process_arm(engine: RKSCEngine, work: Workload, name: str = "in-process") -> Arm:
     params = SamplingParams(max_new_tokens=work.max_tokens, temperature=0.0)
 
-    async def ask(messages: Messages) -> tuple[str, int]:
-        [completion] = await engine.submit(messages, 1, params)
-        return completion.text, completion.num_generated_tokens
+    async def ask(messages: Messages) -> tuple[str, int, float | None]:
+        if work.arrivals is None:
+            [completion] = await engine.submit(messages, 1, params)
+            return completion.text, completion.num_generated_tokens, None
+        first, text, generated = None, "", 0
+        async for chunk in engine.submit(messages, 1, params, stream=True):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter()
+            generated += len(chunk.token_ids)
+            if chunk.completion is not None:
+                text = chunk.completion.text
+        return text, generated, first
 
     return asyncio.run(_drive(work, ask, name))
 
 
-def unmixed_in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
-    """The in-process arm with ``mixed_prefill`` off, from a cold cache; the engine's config is restored."""
+def mixed_in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
+    """The in-process arm with ``mixed_prefill`` on, from a cold cache; the engine's config is restored."""
     config = engine.config
-    engine.config = replace(config, scheduler=replace(config.scheduler, mixed_prefill=False))
+    engine.config = replace(config, scheduler=replace(config.scheduler, mixed_prefill=True))
     engine.clear_cache()
     try:
-        return in_process_arm(engine, work, "in-process, mixed prefill off")
+        return in_process_arm(engine, work, "in-process, mixed prefill on")
     finally:
         engine.config = config
 
@@ -137,15 +199,18 @@ def http_arm(base_url: str, model: str, work: Workload, name: str, count_tokens:
     async def run() -> Arm:
         limits = httpx.Limits(max_connections=work.clients + 1, max_keepalive_connections=work.clients + 1)
         async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
-            async def ask(messages: Messages) -> tuple[str, int]:
-                response = await http.post("/v1/chat/completions", json={
-                    "model": model, "messages": messages, "max_tokens": work.max_tokens, "temperature": 0})
+            body = {"model": model, "max_tokens": work.max_tokens, "temperature": 0}
+
+            async def ask(messages: Messages) -> tuple[str, int, float | None]:
+                if work.arrivals is not None:
+                    return await _ask_streamed(http, {**body, "messages": messages}, count_tokens)
+                response = await http.post("/v1/chat/completions", json={**body, "messages": messages})
                 if response.status_code != 200:
                     raise ServerFailed(f"HTTP {response.status_code}: {response.text[:300]}")
-                body = response.json()
-                text = body["choices"][0]["message"]["content"] or ""
-                generated = (body.get("usage") or {}).get("completion_tokens")
-                return text, generated if isinstance(generated, int) else count_tokens(text)
+                answer = response.json()
+                text = answer["choices"][0]["message"]["content"] or ""
+                generated = (answer.get("usage") or {}).get("completion_tokens")
+                return text, generated if isinstance(generated, int) else count_tokens(text), None
 
             return await _drive(work, ask, name)
 
@@ -205,6 +270,33 @@ def _tail(log: Any, lines: int = 6) -> str:
     log.seek(0)
     text = [line.strip() for line in log.read().splitlines() if line.strip()]
     return " | ".join(text[-lines:]) or "(no output)"
+
+
+async def _ask_streamed(http: httpx.AsyncClient, body: dict[str, Any],
+                        count_tokens: Callable[[str], int]) -> tuple[str, int, float | None]:
+    """One streamed chat completion (server-sent events): its text, generated tokens (the server's
+    usage when it sends one, else the text counted), and when its first text arrived."""
+    first, parts, generated = None, [], None
+    async with http.stream("POST", "/v1/chat/completions",
+                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        if response.status_code != 200:
+            raise ServerFailed(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            data = line.removeprefix("data:").strip()
+            if not line.startswith("data:") or not data:
+                continue
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            usage = (event.get("usage") or {}).get("completion_tokens")
+            generated = usage if isinstance(usage, int) else generated
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = time.perf_counter() if first is None else first
+                    parts.append(piece)
+    text = "".join(parts)
+    return text, generated if generated is not None else count_tokens(text), first
 
 
 def rksc_serve_arm(args: argparse.Namespace, work: Workload, count_tokens: Callable[[str], int]) -> Arm:
@@ -276,20 +368,27 @@ def ray_replicas_arm(args: argparse.Namespace, work: Workload) -> Arm | None:
 # -- report -------------------------------------------------------------------------------------
 def markdown(arms: list[Arm], work: Workload, args: argparse.Namespace) -> str:
     base = arms[0]
-    rows = ["| arm | requests | generated tokens | wall s | tokens/s | vs in-process | same answers |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    timed = work.arrivals is not None
+    extra_head, extra_rule = (" first token p50 s | first token p99 s |", "---:|---:|") if timed else ("", "")
+    rows = [f"| arm | requests | generated tokens | wall s | tokens/s | vs in-process |{extra_head} same answers |",
+            f"|---|---:|---:|---:|---:|---:|{extra_rule}---:|"]
     for arm in arms:
         if arm.not_run:
-            rows.append(f"| {arm.name} | {arm.not_run} | | | | | |")
+            rows.append(f"| {arm.name} | {arm.not_run} | | | | |{' | |' if timed else ''} |")
             continue
         same = sum(a == b for a, b in zip(arm.answers, base.answers))
         ratio = arm.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        first = (f" {arm.first_token_percentile(50):.3f} | {arm.first_token_percentile(99):.3f} |"
+                 if timed else "")
         rows.append(f"| {arm.name} | {len(arm.answers)} | {arm.tokens} | {arm.seconds:.2f} | "
-                    f"{arm.tokens_per_s:.1f} | {ratio:.2f}x | {same}/{len(arm.answers)} |")
+                    f"{arm.tokens_per_s:.1f} | {ratio:.2f}x |{first} {same}/{len(arm.answers)} |")
     by_name = {a.name: a for a in arms if not a.not_run}
     rksc, hf = by_name.get("rksc serve"), by_name.get("transformers serve")
+    shape = (f"{len(work.prompts)} streamed requests arriving as a Poisson process of {args.arrival_rate:g}/s "
+             f"(seed {args.seed}, last at {work.arrivals[-1]:.1f} s)" if timed else
+             f"{work.clients} concurrent clients x {len(work.prompts) // work.clients} requests")
     lines = [
-        f"Workload: {work.clients} concurrent clients x {len(work.prompts) // work.clients} requests, greedy, "
+        f"Workload: {shape}, greedy, "
         f"max_tokens {work.max_tokens}; model {args.model or 'the embedded default'}; device {args.device_obj}, "
         f"{args.dtype_name}; transformers serve continuous batching "
         f"{'on' if args.transformers_continuous_batching else 'off (its default)'}.",
@@ -316,6 +415,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-transformers-serve", action="store_true", help="leave out arm (b)")
     parser.add_argument("--ray-replicas", type=int, default=0,
                         help="also run rksc serve behind this many Ray Serve replicas (rksc_serve.cluster)")
+    parser.add_argument("--arrivals", choices=("closed", "poisson"), default="closed",
+                        help="closed: each client sends its next request when its last ends (default); poisson: "
+                             "--clients streamed requests arrive at Poisson times, and time to first token is reported")
+    parser.add_argument("--arrival-rate", type=float, default=1.0, help="poisson arrivals per second (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the poisson arrival times (default 0)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 clients x 2 requests of 8 tokens")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown here (docs/bench/serve.md)")
     args = parser.parse_args(argv)
@@ -324,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("clients", "requests", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (args.arrival_rate > 0 and math.isfinite(args.arrival_rate)):
+        parser.error("--arrival-rate must be a positive number")
     args.device_obj = resolve_device(args.device)
     args.dtype_name = str(resolve_dtype(args.dtype, args.device_obj)).removeprefix("torch.")
     return args
@@ -331,14 +437,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = workload(args.clients, args.requests, args.max_tokens)
+    if args.arrivals == "poisson":  # one request per client, at its arrival time
+        work = workload(args.clients, 1, args.max_tokens, poisson_arrivals(args.clients, args.arrival_rate, args.seed))
+    else:
+        work = workload(args.clients, args.requests, args.max_tokens)
     model_dir = args.model or ensure_default_model()
     engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype_name, progress=False)
 
     def count_tokens(text: str) -> int:  # for a server whose answers carry no usage
         return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    arms = [in_process_arm(engine, work), unmixed_in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
+    arms = [in_process_arm(engine, work), mixed_in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
     if args.skip_transformers_serve:
         arms.append(Arm("transformers serve", not_run="not run: --skip-transformers-serve"))
     else:

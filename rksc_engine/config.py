@@ -380,16 +380,18 @@ class SchedulerConfig:
             the last bits from a prompt prefilled alone, as any batched matrix product's do. False
             prefills every prompt on its own, so a request's KV never depends on its neighbours.
         mixed_prefill: Prefill the prompts a step admits in the same forward as the running rows'
-            next tokens, when rows are decoding (default True): the weights are read once for both,
-            so an arrival costs the running requests almost nothing. Tokens are the same; the bits
-            may differ as with ``packed_prefill``. The first such step is checked against the two
-            done apart, and a model that fails it is never mixed again.
+            next tokens, when rows are decoding (default False): the weights are read once for both,
+            which pays where a forward's cost is reading them (a GPU at small batches). On a CPU,
+            where the forward's cost grows with its tokens, it saves nothing and delays an arrival's
+            first token by a decode step, hence off by default. Tokens are the same; the bits may
+            differ as with ``packed_prefill``. The first such step is checked against the two done
+            apart, and a model that fails it is never mixed again.
     """
 
     max_batch_rows: int = 64
     max_prefill_tokens: int = 4096
     packed_prefill: bool = True
-    mixed_prefill: bool = True
+    mixed_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_prefill_tokens"):

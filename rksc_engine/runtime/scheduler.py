@@ -9,7 +9,7 @@ Each step, under the engine lock:
    and the step's prefill budget (``scheduler.max_prefill_tokens``) is not spent. A prompt longer
    than the budget is prefilled in chunks of that size, one per step, while the running requests go
    on decoding between them. Prompts that fit whole are prefilled together in one forward
-   (``packed_prefill``), or, when rows are decoding, in the decode's own forward (``mixed_prefill``).
+   (``packed_prefill``), or, when rows are decoding and ``mixed_prefill`` is on, in the decode's own forward.
 3. **Decode**: every running row of every request advances one token in **one forward**. Each
    request keeps its own ``SharedPrefixCache`` (its prompt once, its branches' suffixes); the forward
    sees them together as a ``BatchDecodeCache``, whose attention runs each request's rows over its
