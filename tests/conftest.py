@@ -126,6 +126,12 @@ MIXED_LENGTH_PROMPTS = [
 ]
 
 
+def assert_same_work(stats, other) -> None:
+    """Two runs' ``EngineStats`` count the same prefill and cache work (field by field)."""
+    for field in ("prefills", "prompt_tokens_computed", "prompt_tokens_reused", "cache_hits", "cache_misses"):
+        assert getattr(stats, field) == getattr(other, field), field
+
+
 def engine_hf_greedy(engine, prompt, max_new_tokens):
     """What ``transformers`` greedy ``generate`` decodes after ``prompt`` on ``engine``'s model.
 

@@ -221,11 +221,9 @@ class Prefiller:
         if max_context_tokens is not None and max_context_tokens < 1:
             raise ValueError(f"max_context_tokens must be >= 1, got {max_context_tokens}")
         prompts = [list(p) for p in prompts]
-        matches: list[tuple[Any, int, Any]] = []
+        matches = self.match_prompts(prompts)
         prefilled: list[Prefilled] = []
         try:
-            for prompt_ids in prompts:
-                matches.append(self.cache_for_prefix(prompt_ids))
             with torch.inference_mode():
                 for group in _context_groups(prompts, matches, max_context_tokens):
                     try:
@@ -240,16 +238,19 @@ class Prefiller:
                         self._check_packing(results[0])
                     prefilled += results
                     self.counters.count("packed_prefills")
-                if self.cacheable:
-                    for result in prefilled:
-                        self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
+                self._cache_and_count(prefilled)
         finally:
-            for _, _, node in matches:
-                if node is not None:
-                    self.prefix_cache.unlock(node)
+            self.release_prompts(matches)
+        return prefilled
+
+    def _cache_and_count(self, prefilled: Sequence[Prefilled]) -> None:
+        """Insert prompts prefilled together into the radix cache (while their matched nodes are still
+        locked), then count each as a ``prefill`` call."""
+        if self.cacheable:
+            for result in prefilled:
+                self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
         for result in prefilled:
             self._count_prefill(len(result.prompt_ids) - result.num_cached_tokens, result.num_cached_tokens)
-        return prefilled
 
     def _check_packing(self, packed: Prefilled) -> None:
         """Compare one packed prompt's last logits with the same prompt prefilled alone, once."""
@@ -310,11 +311,7 @@ class Prefiller:
                 kv = [(keys.clone(), values.clone()) for keys, values in layers]
             cache = DynamicCache(ddp_cache_data=kv, config=model_config)
             results.append(Prefilled(list(prompt_ids), cache, last_logits[index:index + 1], matched))
-        if self.cacheable:
-            for result in results:
-                self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
-        for result in results:
-            self._count_prefill(len(result.prompt_ids) - result.num_cached_tokens, result.num_cached_tokens)
+        self._cache_and_count(results)
         return results
 
     def _packed_pass(self, prompts: list[list[int]], matches: list[tuple[Any, int, Any]]) -> list[Prefilled]:

@@ -668,14 +668,13 @@ class Scheduler:
         still_running: list[Request] = []
         mixed = self._decode_with_prompts(batched, pack) if batched and pack else None
         prefilled: list[Prefilled] | None = None
+        stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
         if mixed is not None:
             logits, row_ranges, prefilled = mixed
-            for request, (start, stop) in zip(batched, row_ranges):
-                if self._advance_or_fail(request, logits[start:stop]):
-                    still_running.append(request)
+            stepped = (logits, row_ranges)
         elif batched:
             try:
-                logits, row_ranges = forward_rows(runner, batched)
+                stepped = forward_rows(runner, batched)
             except Exception as error:
                 # Out of memory even after evicting and retrying (every cache was rolled back):
                 # preempt the newest request, to be recomputed when there is room; the rest go on.
@@ -687,10 +686,11 @@ class Scheduler:
                     self._preempt(victim)
                     still_running += [r for r in batched if r is not victim]
                     self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
-            else:
-                for request, (start, stop) in zip(batched, row_ranges):
-                    if self._advance_or_fail(request, logits[start:stop]):
-                        still_running.append(request)
+        if stepped is not None:
+            logits, row_ranges = stepped
+            for request, (start, stop) in zip(batched, row_ranges):
+                if self._advance_or_fail(request, logits[start:stop]):
+                    still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             if request.head.channel.finished or not request.active:
                 continue

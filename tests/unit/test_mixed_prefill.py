@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, make_tiny_model
+from conftest import MIXED_LENGTH_PROMPTS, assert_same_work, engine_hf_greedy, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
@@ -60,8 +60,7 @@ def test_mixed_and_apart_give_the_same_tokens_and_count_the_same_work():
         stats.append(engine.stats())
     assert results[0] == results[1]
     assert extra(engine, "mixed_prefills") == 0, "mixed_prefill=False still mixed"
-    for field in ("prefills", "prompt_tokens_computed", "prompt_tokens_reused", "cache_hits", "cache_misses"):
-        assert getattr(stats[0], field) == getattr(stats[1], field), field
+    assert_same_work(stats[0], stats[1])
 
 
 def test_an_arrival_reuses_its_cached_prefix_and_is_cached_for_the_next_call():

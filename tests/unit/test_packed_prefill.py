@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, make_tiny_model
+from conftest import MIXED_LENGTH_PROMPTS, assert_same_work, engine_hf_greedy, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
@@ -49,8 +49,7 @@ def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_count_the_same_w
         stats.append(engine.stats())
     assert results[0] == results[1]
     assert packed_prefills(engine) == 0, "packed_prefill=False still packed"
-    for field in ("prefills", "prompt_tokens_computed", "prompt_tokens_reused", "cache_hits", "cache_misses"):
-        assert getattr(stats[0], field) == getattr(stats[1], field), field
+    assert_same_work(stats[0], stats[1])
 
 
 def test_a_packed_prompt_reuses_its_cached_prefix_and_is_cached_for_the_next_call():
