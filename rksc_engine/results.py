@@ -216,6 +216,9 @@ class EngineStats:
     running_kv_bytes: int = 0  # KV the running requests hold outside the prefix cache
     peak_running_kv_bytes: int = 0  # the most they held at once (since reset_stats)
     peak_batch_rows: int = 0  # the most branches decoded in one forward (since reset_stats)
+    # Why the radix cache is off for this model, or why its requests decode one forward each ("" when not)
+    prefix_cache_refusal: str = ""
+    batched_decode_refusal: str = ""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -54,11 +54,15 @@ import torch
 from ..config import ASKSConfig
 from ..decoder_parts import decoder_parts
 from ..results import ASKSDecision
+from .cache_layers import new_kv_cache
 from .memory import roll_back
 from .prefix_match import common_prefix_length
 
 # RoPE variants whose frequencies depend on the sequence length: a fixed re-rotation is not exact.
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+# Families whose RoPE rotates interleaved pairs rather than the two halves (and Cohere 2's global
+# layers have no RoPE at all), so ``rerotate_keys`` would move their keys wrongly.
+_INTERLEAVED_ROPE_MODEL_TYPES = frozenset({"cohere", "cohere2"})
 
 
 # -- alignment ------------------------------------------------------------------------------------
@@ -264,6 +268,8 @@ def supports_asks(model: Any) -> bool:
     rotary = rotary_embedding_of(model)
     if rotary is None or not hasattr(rotary, "inv_freq"):
         return False
+    if getattr(model.config, "model_type", "") in _INTERLEAVED_ROPE_MODEL_TYPES:
+        return False
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return False
@@ -324,11 +330,7 @@ Forward = Callable[..., Any]
 
 
 def _cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], model_config: Any) -> Any:
-    from transformers import DynamicCache
-
-    if not layers or layers[0][0].shape[-2] == 0:
-        return DynamicCache(config=model_config)
-    return DynamicCache(ddp_cache_data=layers, config=model_config)
+    return new_kv_cache(model_config, layers or None)
 
 
 def _decoder_hidden(out: Any) -> list[torch.Tensor]:

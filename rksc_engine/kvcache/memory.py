@@ -67,9 +67,14 @@ def roll_back(cache: Any, lengths: list[int] | None) -> None:
     is cropped by its own excess (``layer.crop(-excess)``, the ``transformers`` >= 5 convention).
 
     Raises:
-        ForwardOutOfMemoryError: a layer holds new positions but cannot be cropped; retrying would
-            feed those positions twice, so the pass is not retried.
+        ForwardOutOfMemoryError: a layer holds new positions but cannot be cropped, or the model
+            has recurrent layers (their state cannot be rolled back); retrying would feed those
+            positions twice, so the pass is not retried.
     """
+    if any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", ())):
+        # A recurrent state is overwritten in place by the pass: there is nothing to crop it back to.
+        raise ForwardOutOfMemoryError("forward pass ran out of memory in a model with recurrent layers, whose state "
+                                      "cannot be rolled back, so the pass is not retried")
     if lengths is None:
         return
     for index, (layer, length) in enumerate(zip(cache.layers, lengths)):

@@ -18,9 +18,10 @@ Hydragen / "cascade attention" decomposition):
 The model code is not forked: ``decode_step`` switches the model's attention implementation to
 ``ATTENTION_NAME`` for one forward and passes the cache to the attention function through the
 forward's keyword arguments, which ``transformers`` models hand down to their attention calls.
-Not every model does (or can: sliding windows, soft-capping, attention sinks), so ``probe`` checks
-a model once, numerically against the plain path, and the engine falls back to ``DynamicCache``
-when it fails.
+Sliding windows, soft-capping and attention sinks (``AttentionVariant``) are applied as the model's
+own attention applies them. Not every model passes what its attention needs, so ``probe`` checks a
+model once, numerically against the plain path, and the engine falls back to ``DynamicCache`` when
+it fails.
 
 Exactness: in float32 the split attention equals eager attention over the concatenated KV to
 rounding (``tests/unit/test_shared_prefix.py`` bounds it), and on the tiny test models the decoded
@@ -39,6 +40,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from .cache_layers import has_sliding_layers, keeps_token_kv, layer_types, new_kv_cache
+
 ATTENTION_NAME = "rksc_shared_prefix"
 # The forward keyword that carries the cache down to ``shared_prefix_attention``.
 CACHE_KWARG = "rksc_shared_prefix_cache"
@@ -55,7 +58,8 @@ def initial_suffix_capacity(max_new_tokens: int) -> int:
 
 # -- attention ----------------------------------------------------------------------------------
 def partial_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over one block of keys, returning the output and its log-sum-exp.
 
@@ -64,18 +68,29 @@ def partial_attention(
         keys: (..., N, D).
         values: (..., N, D).
         scale: Multiplier of the dot products.
-        mask: Optional boolean (M, N), True where a key is visible.
+        mask: Optional boolean (M, N), True where a key is visible. A query row that sees no key
+            gets output 0 and log-sum-exp ``EMPTY_LSE``, which merges as no mass.
+        softcap: Soft-capping of the scaled scores, ``softcap * tanh(score / softcap)`` (Gemma 2).
 
     Returns:
         ``(output (..., M, D), lse (..., M))``, both in float32: the block's normalised output and
         ``log(sum(exp(scores)))`` over the block, which is what merging two blocks needs.
     """
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale  # (..., M, N)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (..., M)
+    if mask is not None:
+        lse = lse.clamp_min(EMPTY_LSE)
     weights = torch.exp(scores - lse[..., None])
     return torch.matmul(weights, values.float()), lse
+
+
+# The log-sum-exp of a block no query row can see: finite, so that merging two such blocks gives no
+# NaN, and so small that exp(EMPTY_LSE - lse) is exactly 0 against any real block.
+EMPTY_LSE = -1e30
 
 
 def fused_cpu_attention(
@@ -116,7 +131,8 @@ def shared_prefix_attention(
             causality among the T new tokens needs masking, and that is done here.
         scaling: Dot-product scale; default ``D ** -0.5``.
         dropout: Must be 0 (inference only).
-        **kwargs: Must hold ``CACHE_KWARG``; ``softcap``, sliding windows and sinks are refused.
+        **kwargs: Must hold ``CACHE_KWARG``; may hold the layer's ``sliding_window``, ``softcap``
+            and ``s_aux`` (attention sinks), which are applied as the model's own attention does.
 
     Returns:
         ``(output (B, T, H, D), None)``.
@@ -124,42 +140,181 @@ def shared_prefix_attention(
     cache = kwargs.get(CACHE_KWARG)
     if not isinstance(cache, SharedPrefixCache | BatchDecodeCache):
         raise RuntimeError(f"{ATTENTION_NAME} attention needs the cache passed as the {CACHE_KWARG!r} keyword")
-    if attention_mask is not None or dropout or kwargs.get("softcap") is not None \
-            or kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None \
-            or getattr(module, "sinks", None) is not None:
-        raise NotImplementedError(f"{ATTENTION_NAME} supports plain causal attention only")
+    if attention_mask is not None or dropout:
+        raise NotImplementedError(f"{ATTENTION_NAME} takes no attention mask and no dropout")
+    variant = AttentionVariant.of(module, kwargs)
     cache.num_attention_calls += 1
     head_dim = query.shape[-1]
     scale = head_dim**-0.5 if scaling is None else float(scaling)
     fused = cache.fused
     if isinstance(cache, SharedPrefixCache):
         layer = cache.layers[module.layer_idx]
+        if not variant.plain:
+            partials = _variant_partials(query, layer.segments, key, value, layer.num_prefix_tokens, scale, fused,
+                                         variant)
+            return _combine([partials], query.shape, query.dtype), None
         prefix = [_segment_attention(_prefix_rows(query, key.shape[1]), k, v, scale, fused, query.shape[0])
                   for k, v in layer.segments]
         return _combine([_partials(query, prefix, key, value, scale, fused)], query.shape, query.dtype), None
     layer = cache.layers[module.layer_idx]
     if not layer.prompt_spans:
-        return _batch_attention(query, key.shape[1], layer, cache.row_ranges, scale, fused), None
+        return _batch_attention(query, key.shape[1], layer, cache.row_ranges, scale, fused, variant), None
     # A step that also prefills prompts runs one flattened row (1, H, rows + prompt tokens, D): the
     # decoding rows' queries first, one token each, then each prompt's new tokens.
     rows = cache.num_rows
     batch_heads = query.shape[1]
     outputs = [_batch_attention(query[:, :, :rows].transpose(0, 2), key.shape[1], layer, cache.row_ranges, scale,
-                                fused).reshape(1, rows, batch_heads, head_dim)]
+                                fused, variant).reshape(1, rows, batch_heads, head_dim)]
     for (start, stop), prefix, (new_keys, new_values) in zip(layer.prompt_spans, layer.prompt_prefixes,
                                                               layer.prompt_new):
-        outputs.append(_prompt_attention(query[:, :, start:stop], prefix, new_keys, new_values, scale))
+        outputs.append(_prompt_attention(query[:, :, start:stop], prefix, new_keys, new_values, scale, fused,
+                                         variant))
     return torch.cat(outputs, dim=1), None
 
 
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What a layer's attention does beyond plain causal softmax attention, as ``transformers``
+    model code passes it to an attention function.
+
+    Attributes:
+        window: Sliding window: a query sees a key at most ``window - 1`` positions before it
+            (``transformers``' sliding-window mask). None for full attention.
+        softcap: Scores are soft-capped, ``softcap * tanh(score / softcap)`` (Gemma 2).
+        sinks: (H,) per-head sink logits (gpt-oss): one more softmax term per head whose value is
+            zero, so it only takes mass from the keys.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None and self.sinks is None
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, kwargs: dict[str, Any]) -> AttentionVariant:
+        """The variant a model's attention module asks for in its attention call's ``kwargs``."""
+        window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+        if sinks is None and getattr(module, "sinks", None) is not None:
+            raise NotImplementedError(f"{ATTENTION_NAME}: the layer has attention sinks it does not pass as s_aux")
+        if window is not None and int(window) < 1:
+            raise NotImplementedError(f"{ATTENTION_NAME}: sliding window {window} is not a positive token count")
+        if window is None and softcap is None and sinks is None:
+            return _PLAIN
+        return cls(None if window is None else int(window), None if softcap is None else float(softcap), sinks)
+
+
+_PLAIN = AttentionVariant()
+
+
+def _visible_segments(segments: list[tuple[torch.Tensor, torch.Tensor]], first_query: int, window: int | None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The parts of a prefix's segments (in position order, the first at position 0) that a query at
+    absolute position ``first_query`` or later may see: ``(keys, values, first position)`` each, views
+    of the segments, sliced to the window's start when ``window`` is set."""
+    low = 0 if window is None else first_query - window + 1
+    visible, start = [], 0
+    for keys, values in segments:
+        stop = start + keys.shape[2]
+        if stop > low:
+            skip = max(0, low - start)
+            visible.append((keys[:, :, skip:], values[:, :, skip:], start + skip))
+        start = stop
+    return visible
+
+
+def _window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
+                 group: int) -> torch.Tensor | None:
+    """Boolean (G*T, N) mask of which keys each query row sees (rows are (head in group, token)
+    pairs, token fastest, as in ``_partials``), or None when every row sees every key (always so
+    for one query: ``_visible_segments`` sliced its keys to the window)."""
+    if len(query_positions) == 1:
+        return None
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+    if bool(visible.all()):
+        return None
+    return visible.repeat(group, 1)
+
+
+def _empty_partial(query: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block no query sees (output 0, log-sum-exp ``EMPTY_LSE``), shaped as ``_partials``' blocks."""
+    batch, num_heads, num_new, head_dim = query.shape
+    rows = num_heads // num_kv_heads * num_new
+    out = torch.zeros(batch, num_kv_heads, rows, head_dim, dtype=torch.float32, device=query.device)
+    return out, torch.full((batch, num_kv_heads, rows), EMPTY_LSE, dtype=torch.float32, device=query.device)
+
+
+def _sink_partial(query: torch.Tensor, num_kv_heads: int, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention sinks as one more block: each head's sink logit as its log-sum-exp, and zero
+    output (a sink has no value), shaped as ``_partials``' blocks."""
+    batch, num_heads, num_new, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    lse = sinks.float().reshape(num_kv_heads, group, 1).expand(num_kv_heads, group, num_new)
+    lse = lse.reshape(1, num_kv_heads, group * num_new).expand(batch, -1, -1)
+    out = torch.zeros(batch, num_kv_heads, group * num_new, head_dim, dtype=torch.float32, device=query.device)
+    return out, lse
+
+
+def _variant_partials(query: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], key: torch.Tensor,
+                      value: torch.Tensor, num_prefix: int, scale: float, fused: bool, variant: AttentionVariant
+                      ) -> Partials:
+    """``_partials`` for a layer with a sliding window, soft-capping or sinks: one request's
+    branches (``query`` (B, H, T, D)) over its prefix segments (positions from 0) and its suffix
+    (``key``/``value`` (B, H_kv, S, D), the T new tokens last, positions from ``num_prefix``).
+
+    Out-of-window keys are sliced off (or masked, for the earlier of several new tokens); a
+    segment no query sees is left out; the sinks are one more block."""
+    batch, num_heads, num_new, head_dim = query.shape
+    num_kv_heads, suffix_len = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads
+    device = query.device
+    first_query = num_prefix + suffix_len - num_new
+    query_positions = torch.arange(first_query, first_query + num_new, device=device)
+    blocks = [] if variant.sinks is None else [_sink_partial(query, num_kv_heads, variant.sinks)]
+    for seg_keys, seg_values, start in _visible_segments(segments, first_query, variant.window):
+        positions = torch.arange(start, start + seg_keys.shape[2], device=device)
+        mask = _window_mask(query_positions, positions, variant.window, group)
+        blocks.append(_masked_block(query, seg_keys, seg_values, scale, fused, mask, variant.softcap, prefix=True))
+    if not blocks:
+        blocks.append(_empty_partial(query, num_kv_heads))
+    skip = 0 if variant.window is None else max(0, first_query - variant.window + 1 - num_prefix)
+    positions = torch.arange(num_prefix + skip, num_prefix + suffix_len, device=device)
+    mask = _window_mask(query_positions, positions, variant.window, group)
+    out_s, lse_s = _masked_block(query, key[:, :, skip:], value[:, :, skip:], scale, fused, mask, variant.softcap,
+                                 prefix=False)
+    return blocks, out_s, lse_s
+
+
+def _masked_block(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, fused: bool,
+                  mask: torch.Tensor | None, softcap: float | None, *, prefix: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's partial result for ``_variant_partials``: a prefix segment (``prefix``: keys
+    (1, H_kv, N, D), read once for all branches, as ``_segment_attention``) or the branches' own
+    suffixes (keys (B, H_kv, N, D)). Returns (B, H_kv, G*T, D) and (B, H_kv, G*T)."""
+    batch, num_heads, num_new, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    if prefix and mask is None:
+        return _segment_attention(_prefix_rows(query, num_kv_heads), keys, values, scale, fused, batch, softcap)
+    q = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads * num_new, head_dim)
+    result = fused_cpu_attention(q, keys, values, scale) if fused and mask is None and softcap is None else None
+    return result if result is not None else partial_attention(q, keys, values, scale, mask, softcap)
+
+
 def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeLayer,
-                     row_ranges: list[tuple[int, int]], scale: float, fused: bool) -> torch.Tensor:
+                     row_ranges: list[tuple[int, int]], scale: float, fused: bool,
+                     variant: AttentionVariant = _PLAIN) -> torch.Tensor:
     """The decoding rows of several requests: ``query`` (B, H, T, D); returns (B, T, H, D).
 
     A prefix segment (a radix-cache node) that several requests share is read once, with all their
     queries in one product; each request then merges its own segments in its own order and attends
     to its own suffixes, so every row sees exactly the operations it would see alone (the batch
     only widens the linear layers)."""
+    if not variant.plain:
+        return _variant_batch_attention(query, num_kv_heads, layer, row_ranges, scale, fused, variant)
     if len(layer.group_layers) == 1:  # one request: nothing to share, skip the bookkeeping
         (keys, values), group_layer = layer.views[0], layer.group_layers[0]
         prefix = [_segment_attention(_prefix_rows(query, num_kv_heads), k, v, scale, fused, query.shape[0])
@@ -182,12 +337,61 @@ def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeL
     return _combine(partials, query.shape, query.dtype)
 
 
+def _variant_batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeLayer,
+                             row_ranges: list[tuple[int, int]], scale: float, fused: bool,
+                             variant: AttentionVariant) -> torch.Tensor:
+    """``_batch_attention`` for a layer with a sliding window, soft-capping or sinks (one new token
+    per row). Each request sees the part of its prefix inside its own window; requests whose
+    visible parts are the same memory (a shared radix node inside both windows) read it once. Each
+    row sees the operations of ``_variant_partials`` alone."""
+    if query.shape[2] != 1:  # several new tokens a row: each request on its own, with its masks
+        partials = [_variant_partials(query[start:stop], group_layer.segments, keys, values,
+                                      group_layer.num_prefix_tokens, scale, fused, variant)
+                    for (start, stop), (keys, values), group_layer in zip(row_ranges, layer.views, layer.group_layers)]
+        return _combine(partials, query.shape, query.dtype)
+    visible = []
+    for group_layer in layer.group_layers:
+        first_query = group_layer.num_prefix_tokens + group_layer.num_suffix_tokens - 1
+        visible.append([(k, v) for k, v, _ in _visible_segments(group_layer.segments, first_query, variant.window)])
+    per_group: list[list] = [[None] * len(segments) for segments in visible]
+    for (seg_k, seg_v), users in _shared_segments(visible):
+        rows = [query[row_ranges[g][0]:row_ranges[g][1]] for g, _ in users]
+        q = torch.cat([_prefix_rows(r, num_kv_heads) for r in rows], dim=2) if len(rows) > 1 else \
+            _prefix_rows(rows[0], num_kv_heads)
+        out, lse = _segment_attention(q, seg_k, seg_v, scale, fused, None, variant.softcap)
+        offset = 0
+        for (g, position), r in zip(users, rows):
+            width = r.shape[0] * (r.shape[1] // num_kv_heads) * r.shape[2]
+            per_group[g][position] = _rows_to_branches(out[:, :, offset:offset + width],
+                                                      lse[:, :, offset:offset + width], r.shape[0])
+            offset += width
+    partials = []
+    for g, ((start, stop), (keys, values)) in enumerate(zip(row_ranges, layer.views)):
+        rows = query[start:stop]
+        blocks = [] if variant.sinks is None else [_sink_partial(rows, num_kv_heads, variant.sinks)]
+        blocks += per_group[g]
+        if not blocks:
+            blocks.append(_empty_partial(rows, num_kv_heads))
+        suffix_len = keys.shape[2]
+        skip = 0 if variant.window is None else max(0, suffix_len - variant.window)
+        out_s, lse_s = _masked_block(rows, keys[:, :, skip:], values[:, :, skip:], scale, fused, None,
+                                     variant.softcap, prefix=False)
+        partials.append((blocks, out_s, lse_s))
+    return _combine(partials, query.shape, query.dtype)
+
+
 def _prompt_attention(query: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
-                      new_keys: torch.Tensor, new_values: torch.Tensor, scale: float) -> torch.Tensor:
+                      new_keys: torch.Tensor, new_values: torch.Tensor, scale: float, fused: bool,
+                      variant: AttentionVariant = _PLAIN) -> torch.Tensor:
     """A prompt's new tokens, prefilled in a decode step: ``query`` (1, H, T, D) over the prompt's
     cached prefix (1, H_kv, P, D), if any, and causally over its own new KV (1, H_kv, T, D), as
     the model's SDPA prefill computes it. Returns (1, T, H, D)."""
     num_new = query.shape[2]
+    if not variant.plain:
+        segments = [] if prefix is None else [prefix]
+        num_prefix = 0 if prefix is None else prefix[0].shape[2]
+        partials = _variant_partials(query, segments, new_keys, new_values, num_prefix, scale, fused, variant)
+        return _combine([partials], query.shape, query.dtype)
     if prefix is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True,
                                                                scale=scale, enable_gqa=True)
@@ -295,7 +499,7 @@ def _rows_to_branches(out: torch.Tensor, lse: torch.Tensor, batch: int) -> tuple
 
 
 def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, fused: bool,
-                       batch: int | None) -> Any:
+                       batch: int | None, softcap: float | None = None) -> Any:
     """Attention of prefix-shaped queries (1, H_kv, R, D) over one prefix segment (1, H_kv, P, D).
     Returns ``(out, lse)`` as (1, H_kv, R, D), (1, H_kv, R), or per branch (``_rows_to_branches``)
     when ``batch`` is given."""
@@ -303,8 +507,8 @@ def _segment_attention(q_prefix: torch.Tensor, keys: torch.Tensor, values: torch
     pad = -rows % ROW_ALIGNMENT if q_prefix.device.type == "cpu" else 0
     if pad:
         q_prefix = torch.nn.functional.pad(q_prefix, (0, 0, 0, pad))
-    result = fused_cpu_attention(q_prefix, keys, values, scale) if fused else None
-    out, lse = result if result is not None else partial_attention(q_prefix, keys, values, scale)
+    result = fused_cpu_attention(q_prefix, keys, values, scale) if fused and softcap is None else None
+    out, lse = result if result is not None else partial_attention(q_prefix, keys, values, scale, softcap=softcap)
     if pad:
         out, lse = out[:, :, :rows], lse[:, :, :rows]
     return _rows_to_branches(out, lse, batch) if batch is not None else (out, lse)
@@ -534,6 +738,23 @@ class SharedPrefixCache(Cache):
         return torch.stack(per_layer)
 
 
+def _shared_segments(segment_lists: list[list[tuple[torch.Tensor, torch.Tensor]]]
+                     ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]]:
+    """Each distinct segment of the requests' ``segment_lists`` with its users ``(request, position
+    in its list)``; two requests share a segment when it is the same memory (same start address,
+    shape and strides), such as a radix-cache node both prompts begin with."""
+    found: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]] = {}
+    for g, segments in enumerate(segment_lists):
+        for position, (k, v) in enumerate(segments):
+            key = (k.data_ptr(), tuple(k.shape), k.stride(), v.data_ptr())
+            entry = found.get(key)
+            if entry is None:
+                found[key] = ((k, v), [(g, position)])
+            else:
+                entry[1].append((g, position))
+    return list(found.values())
+
+
 class BatchDecodeLayer(CacheLayerMixin):
     """One layer of a ``BatchDecodeCache``: routes each request's rows to that request's own layer."""
 
@@ -561,19 +782,8 @@ class BatchDecodeLayer(CacheLayerMixin):
         return None
 
     def shared_segments(self) -> list[tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]]:
-        """Each distinct prefix segment of this layer with its users ``(group, position in the
-        group's segment list)``; two requests share a segment when it is the same memory (same
-        start address, shape and strides), such as a radix-cache node both prompts begin with."""
-        found: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]] = {}
-        for g, layer in enumerate(self.group_layers):
-            for position, (k, v) in enumerate(layer.segments):
-                key = (k.data_ptr(), tuple(k.shape), k.stride(), v.data_ptr())
-                entry = found.get(key)
-                if entry is None:
-                    found[key] = ((k, v), [(g, position)])
-                else:
-                    entry[1].append((g, position))
-        return list(found.values())
+        """Each distinct prefix segment of this layer with its users (``_shared_segments``)."""
+        return _shared_segments([layer.segments for layer in self.group_layers])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -739,12 +949,19 @@ def logit_tolerance(want: torch.Tensor, dtype: torch.dtype) -> float:
     return (1e-4 if dtype == torch.float32 else 5e-2) * max(float(want.abs().max()), 1.0)
 
 
+# Prompt tokens the probe prefills: past a sliding window of up to this many minus two tokens, so that
+# the window bites in the probe's decode step; a longer window is checked by the test suite's
+# tiny models instead of by a long probe at load.
+MAX_PROBE_PROMPT_TOKENS = 64
+
+
 def probe(model: Any, forward: Any) -> ProbeResult:
     """Check once, numerically, that ``model`` decodes the same through ``SharedPrefixCache``.
 
-    It prefills four tokens, decodes one step for two branches both through ``DynamicCache``
-    (repeated rows) and through the shared-prefix path, and requires every attention layer to have
-    gone through ``shared_prefix_attention`` and the logits to agree to the model dtype's rounding.
+    It prefills a short prompt (past the model's sliding window where that is short), decodes one
+    step for two branches both through the model's own ``DynamicCache`` (repeated rows) and
+    through the shared-prefix path, and requires every attention layer to have gone through
+    ``shared_prefix_attention`` and the logits to agree to the model dtype's rounding.
 
     Args:
         model: A ``transformers`` causal LM.
@@ -753,22 +970,30 @@ def probe(model: Any, forward: Any) -> ProbeResult:
     from transformers import DynamicCache
 
     try:
-        layers = DynamicCache(config=model.config).layers
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-            return ProbeResult(False, "the model's cache has sliding-window or non-attention layers")
+        config = model.config
+        if not keeps_token_kv(config):
+            return ProbeResult(False, f"the model has layers without per-token KV: {sorted(set(layer_types(config)))}")
+        layers = layer_types(config)
         device = next(model.parameters()).device
-        vocab = int(model.config.get_text_config().vocab_size)
-        prompt = torch.tensor([[min(i + 3, vocab - 1) for i in range(4)]], device=device)
+        text_config = config.get_text_config()
+        vocab = int(text_config.vocab_size)
+        length = 4
+        if has_sliding_layers(config):
+            length = max(length, min(int(getattr(text_config, "sliding_window", 0) or 0) + 2,
+                                     MAX_PROBE_PROMPT_TOKENS))
+        prompt = torch.tensor([[3 + (5 * i) % max(vocab - 3, 1) for i in range(length)]], device=device)
         step = torch.tensor([[min(7, vocab - 1)], [min(11, vocab - 1)]], device=device)
         with torch.inference_mode():
-            plain = DynamicCache(config=model.config)
+            plain = DynamicCache(config=config)  # the model's own cache: the reference
             forward(prompt, plain)
-            shared = SharedPrefixCache.from_dynamic_cache(plain, num_branches=2, suffix_capacity=2)
+            kept = new_kv_cache(config)  # every token's KV, as rksc keeps it
+            forward(prompt, kept)
+            shared = SharedPrefixCache.from_dynamic_cache(kept, num_branches=2, suffix_capacity=2)
             plain.batch_repeat_interleave(2)
             want = forward(step, plain).logits[:, -1].float()
             with attention_implementation(model, ATTENTION_NAME):
                 got = forward(step, shared, **shared.forward_kwargs()).logits[:, -1].float()
-    except NotImplementedError as error:  # a layer the split attention refuses (soft-capping, windows, ...)
+    except NotImplementedError as error:  # a layer the split attention refuses
         return ProbeResult(False, f"shared-prefix forward is not supported: {error}")
     except Exception as error:  # out of memory, an interrupted kernel...: try again later
         return ProbeResult(False, f"shared-prefix probe failed: {type(error).__name__}: {error}", inconclusive=True)

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..decoder_parts import decoder_parts  # re-exported: ``verifier.decoder_parts`` stays importable
+from ..kvcache.cache_layers import repeat_rows
 from ..kvcache.prefix_match import common_prefix
 from ..protocol import LocalEngine
 from .cgee import CGEEConfig, exit_check_layers, exits_after_layer, lens_entropy
@@ -275,8 +276,7 @@ class LLMJudgeVerifier:
         handles = [layer.register_forward_hook(on_layer(i)) for i, layer in enumerate(layers)]
         pass_start = time.perf_counter()
         try:
-            if len(tails) > 1:
-                cache.batch_repeat_interleave(len(tails))
+            repeat_rows(cache, len(tails))
             try:
                 # Run the decoder body only and project just the label rows at the scored positions:
                 # the full-vocabulary head over every padded position would cost ~30% of the pass.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
+from ..kvcache.cache_layers import keeps_token_kv, new_kv_cache, prefix_cache_refusal, unsupported_layer_types
 from ..kvcache.memory import run_with_oom_retry
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import ProbeResult, probe
@@ -39,7 +40,13 @@ class ModelRunner:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, prefix_cache: RadixPrefixCache,
                  counters: Counters) -> None:
+        unsupported = unsupported_layer_types(model.config) if hasattr(model.config, "get_text_config") else []
+        if unsupported:
+            raise NotImplementedError(f"rksc cannot run layers of type {unsupported}: transformers' DynamicCache has no "
+                                      "layer for them, so no exact cache can be kept")
         self.model = model.eval()
+        self._prefix_cache_refusal = prefix_cache_refusal(model.config) if hasattr(model.config, "get_text_config") \
+            else ""
         self.config = config
         self.prefix_cache = prefix_cache
         self.counters = counters
@@ -83,13 +90,28 @@ class ModelRunner:
         return Path(name).name if name else type(self.model).__name__
 
     def supports_prefix_cache(self) -> bool:
-        """Whether every cache layer keeps the whole prefix, so slicing it into the radix tree is exact
-        (sliding-window and other exotic layers do not)."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
+        """Whether every layer attends over per-token KV (full or sliding-window attention), kept
+        whole (``cache_layers.new_kv_cache``), so slicing it into the radix tree is exact; recurrent
+        layers keep a state instead."""
+        return keeps_token_kv(self.model.config)
 
-        layers = DynamicCache(config=self.model.config).layers
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    def prefix_cache_refusal(self) -> str:
+        """Why the radix cache cannot hold this model's prompts ("" when it can)."""
+        return self._prefix_cache_refusal
+
+    def batched_decode_refusal(self) -> str:
+        """Why requests of this model decode one forward each instead of in one batch ("" when they
+        batch, or before the first decode has probed the model)."""
+        result = self.shared_prefix_probe
+        if self.config.decode_attention == "dynamic_cache":
+            return "decode_attention='dynamic_cache'"
+        if result is None and self._probe_failures:
+            return "the shared-prefix probe has not completed yet; requests decode one forward each until it does"
+        return result.reason if result is not None and not result.supported else ""
+
+    def new_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+        """A fresh batch cache for the model (``cache_layers.new_kv_cache``), optionally holding ``kv``."""
+        return new_kv_cache(self.model.config, kv)
 
     # -- passes ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,7 @@ import torch
 
 from ..config import ASKSConfig
 from ..kvcache import asks, chunk_reuse
+from ..kvcache.cache_layers import has_sliding_layers
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import SharedPrefixCache, logit_tolerance
@@ -190,11 +191,13 @@ class Prefiller:
 
     def packs_prompts(self) -> bool:
         """Whether ``prefill_packed`` may serve prompts here: every prompt takes the token-exact path
-        (ASKS cannot act) and the model's cache layers keep the whole prefix."""
+        (ASKS cannot act), the model's cache layers keep the whole prefix, and no layer has a sliding
+        window (the packed mask is one for every layer, so it cannot carry a window)."""
         if self._packs_prompts is None:  # the model and the settings are fixed for the engine's life
             config = self.asks_config
             asks_may_act = config.enabled and config.tau < 1.0 and self.cacheable
-            self._packs_prompts = not asks_may_act and self.runner.supports_prefix_cache()
+            self._packs_prompts = (not asks_may_act and self.runner.supports_prefix_cache()
+                                   and not has_sliding_layers(self.runner.model.config))
         return self._packs_prompts
 
     def prefill_packed(self, prompts: Sequence[list[int]], max_context_tokens: int | None = None) -> list[Prefilled]:
@@ -266,10 +269,8 @@ class Prefiller:
     def difference_from_alone(self, prefilled: Prefilled) -> tuple[float, float]:
         """How far ``prefilled``'s last logits are from its prompt prefilled alone in a fresh cache,
         and how far rounding alone may take them (``logit_tolerance``)."""
-        from transformers import DynamicCache
-
         alone = self.runner.forward(torch.tensor([prefilled.prompt_ids], device=self.runner.device),
-                                    DynamicCache(config=self.runner.model.config), logits_to_keep=1)
+                                    self.runner.new_cache(), logits_to_keep=1)
         want, got = alone.logits[:, -1].float(), prefilled.last_logits.float()
         return float((got - want).abs().max()), logit_tolerance(want, self.runner.dtype)
 
@@ -299,9 +300,6 @@ class Prefiller:
         """The ``Prefilled`` of prompts whose uncached tokens another forward computed: each prompt's
         cached prefix (``matches``) joined with its new KV (``new_kv``, per layer (1, H_kv, T, D)),
         inserted into the radix cache and counted like ``prefill``. ``last_logits`` (prompts, V)."""
-        from transformers import DynamicCache
-
-        model_config = self.runner.model.config
         results = []
         for index, (prompt_ids, (cached, matched, _), layers) in enumerate(zip(prompts, matches, new_kv)):
             if matched:
@@ -309,16 +307,13 @@ class Prefiller:
                       for old, (keys, values) in zip(cached.layers, layers)]
             else:  # a copy: the new KV is a view of the whole step's projections
                 kv = [(keys.clone(), values.clone()) for keys, values in layers]
-            cache = DynamicCache(ddp_cache_data=kv, config=model_config)
+            cache = self.runner.new_cache(kv)
             results.append(Prefilled(list(prompt_ids), cache, last_logits[index:index + 1], matched))
         self._cache_and_count(results)
         return results
 
     def _packed_pass(self, prompts: list[list[int]], matches: list[tuple[Any, int, Any]]) -> list[Prefilled]:
-        from transformers import DynamicCache
-
         device, dtype = self.runner.device, self.runner.dtype
-        model_config = self.runner.model.config
         matched = [m for _, m, _ in matches]
         new_tokens = [prompt[m:] for prompt, m in zip(prompts, matched)]
         # The packed cache: the prompts' cached prefixes one after another, a prefix that several
@@ -339,9 +334,9 @@ class Prefiller:
             num_layers = len(sources[0].layers)
             layers = [(torch.cat([c.layers[i].keys for c in sources], dim=2),
                        torch.cat([c.layers[i].values for c in sources], dim=2)) for i in range(num_layers)]
-            packed = DynamicCache(ddp_cache_data=layers, config=model_config)
+            packed = self.runner.new_cache(layers)
         else:
-            packed = DynamicCache(config=model_config)
+            packed = self.runner.new_cache()
         visible = torch.zeros(num_new, num_prefix + num_new, dtype=torch.bool, device=device)
         positions, last_rows = [], []
         new_start = 0
@@ -366,7 +361,7 @@ class Prefiller:
             layers = [(torch.cat([layer.keys[:, :, a:b] for a, b in spans if b > a], dim=2),
                        torch.cat([layer.values[:, :, a:b] for a, b in spans if b > a], dim=2))
                       for layer in packed.layers]
-            cache = DynamicCache(ddp_cache_data=layers, config=model_config)
+            cache = self.runner.new_cache(layers)
             results.append(Prefilled(prompt, cache, logits[index:index + 1], m))
             new_start += len(tokens)
         return results
@@ -484,17 +479,14 @@ class Prefiller:
         """A batch-1 DynamicCache holding the longest cached prefix of ``prompt_ids`` (always leaving
         the last token to compute). Returns ``(cache, matched_tokens, locked_node_or_None)``; the
         caller unlocks the node (``unlock``) when done."""
-        from transformers import DynamicCache
-
-        model_config = self.runner.model.config
         if self.cacheable:
             match = self.prefix_cache.match_prefix(prompt_ids, max_tokens=len(prompt_ids) - 1)
             if match.num_tokens:
                 self.prefix_cache.lock(match.last_node)
                 kv = match.kv  # (L, 2, H_kv, T, D)
                 layers = [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
-                return DynamicCache(ddp_cache_data=layers, config=model_config), match.num_tokens, match.last_node
-        return DynamicCache(config=model_config), 0, None
+                return self.runner.new_cache(layers), match.num_tokens, match.last_node
+        return self.runner.new_cache(), 0, None
 
     def unlock(self, node: Any) -> None:
         """Let go of a node this module locked (``cache_for_prefix``, ``read_in_place``)."""

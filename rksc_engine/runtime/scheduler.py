@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingParams, SchedulerConfig
+from ..kvcache.cache_layers import repeat_rows, select_rows
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.prefix_match import common_prefix_length
 from ..kvcache.shared_prefix import SharedPrefixCache, initial_suffix_capacity
@@ -184,7 +185,10 @@ class Scheduler:
         seen: dict[int, int] = {}
         for request in self._running:
             for layer in getattr(request.cache, "layers", ()):
-                tensors = [layer.keys, layer.values]  # the branches' suffixes (or a DynamicCache's all)
+                # The branches' suffixes, or a DynamicCache's all (a recurrent layer's states instead)
+                tensors = [getattr(layer, name, None) for name in ("keys", "values")]
+                for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+                    tensors += list(states.values()) if isinstance(states, dict) else list(states or ())
                 segments = getattr(layer, "segments", [])
                 # Segments read in place from the radix cache are the cache's bytes, not the request's.
                 if request.head.locked_node is None:
@@ -225,6 +229,8 @@ class Scheduler:
         snapshot.running_kv_bytes = self.running_kv_bytes()
         snapshot.peak_running_kv_bytes = self.peak_running_kv_bytes
         snapshot.peak_batch_rows = self.peak_batch_rows
+        snapshot.prefix_cache_refusal = self.runner.prefix_cache_refusal()
+        snapshot.batched_decode_refusal = self.runner.batched_decode_refusal()
         self._published_stats = snapshot
         return snapshot
 
@@ -576,8 +582,7 @@ class Scheduler:
                                                          suffix_capacity=initial_suffix_capacity(owner.max_new))
         else:
             wave.cache = copy.deepcopy(prompt_kv)
-            if count > 1:
-                wave.cache.batch_repeat_interleave(count)
+            repeat_rows(wave.cache, count)
         owner.branches.extend(Branch(first + j) for j in range(count))
         if not owner.params.greedy:
             owner.generators.extend(make_generators(owner.seed + first, count, self.runner.device))
@@ -603,8 +608,7 @@ class Scheduler:
         its prefix segments, so a prompt prefix shared by many running requests is held (and read
         per step) once. Only a tail the cache could not hold stays private."""
         if not (shared_prefix and SharedPrefixCache.can_share(cache)):
-            if n > 1:
-                cache.batch_repeat_interleave(n)
+            repeat_rows(cache, n)
             return cache
         capacity = initial_suffix_capacity(max_new)
         in_place = self.prefiller.read_in_place(request.prompt_ids, cache) if request is not None else None
@@ -815,7 +819,7 @@ class Scheduler:
             return False
         if len(keep_rows) < len(request.active):
             index = torch.tensor(keep_rows, device=self.runner.device)
-            request.cache.batch_select_indices(index)
+            select_rows(request.cache, index)
             if request.next_tokens is not None and request.next_tokens.shape[0] == len(request.active):
                 request.next_tokens = request.next_tokens[index]
             request.active = [request.active[r] for r in keep_rows]

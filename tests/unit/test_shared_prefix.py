@@ -161,13 +161,26 @@ def _sliding_window_model():
     return model
 
 
-def test_a_sliding_window_model_falls_back_to_the_dynamic_cache_path_and_stays_exact(tiny_tokenizer):
+def test_a_sliding_window_model_takes_the_shared_prefix_path_and_stays_exact(tiny_tokenizer):
     model = _sliding_window_model()
     engine = RKSCEngine(model, tiny_tokenizer)  # decode_attention="auto"
     prompt = "a prompt longer than the eight-token window"
     got = engine.generate(prompt, SamplingParams(max_new_tokens=16))
+    assert engine.runner.shared_prefix_probe.supported
+    ids = torch.tensor([tiny_tokenizer(prompt)["input_ids"]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert got.token_ids == tuple(want[0, ids.shape[1]:].tolist())
+
+
+def test_a_recurrent_model_falls_back_to_its_own_cache_and_stays_exact(tiny_tokenizer):
+    from rksc_bench.families import make_family_model
+
+    model = make_family_model("lfm2")
+    engine = RKSCEngine(model, tiny_tokenizer)
+    prompt = "a prompt for a model with convolution layers"
+    got = engine.generate(prompt, SamplingParams(max_new_tokens=16))
     assert not engine.runner.shared_prefix_probe.supported
-    assert "sliding" in engine.runner.shared_prefix_probe.reason
+    assert "conv" in engine.runner.shared_prefix_probe.reason
     ids = torch.tensor([tiny_tokenizer(prompt)["input_ids"]])
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     assert got.token_ids == tuple(want[0, ids.shape[1]:].tolist())
@@ -191,7 +204,9 @@ def test_a_model_whose_attention_ignores_the_registry_fails_the_probe(tiny_model
 
 
 def test_forcing_shared_prefix_on_an_unsupported_model_raises_and_leaves_the_engine_usable(tiny_tokenizer):
-    model = _sliding_window_model()
+    from rksc_bench.families import make_family_model
+
+    model = make_family_model("lfm2")
     engine = RKSCEngine(model, tiny_tokenizer, EngineConfig(decode_attention="shared_prefix"))
     with pytest.raises(ValueError, match="decode_attention"):
         engine.generate("hello there", SamplingParams(max_new_tokens=4))

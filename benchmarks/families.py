@@ -1,0 +1,179 @@
+"""Benchmark: the family matrix, one row per model family (tiny seeded random configs from
+``rksc_bench.families``; no weights needed).
+
+For each family:
+
+* **exact**: greedy decoding equals ``model.generate``, cold and served from the cache, and a
+  seeded branch is the same among its siblings as alone;
+* **reuse**: prompt tokens served from the cache when a ~500-token prompt is sent again;
+* **batched decode**: whether concurrent requests decode in one forward (and why not, if not);
+* **tok/s**: 8 concurrent greedy requests (``--max-new-tokens`` each) on rksc against the same
+  model's ``transformers`` ``generate_batch`` (continuous batching) and ``generate`` on the 8
+  prompts left-padded into one batch, arms alternating, median of ``--repeats``; tokens counted as
+  each side generated them (up to EOS).
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/families.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from rksc_bench.families import FAMILIES, make_family_model
+from rksc_engine import RKSCEngine, SamplingParams
+
+DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "families.json"
+REPEATED_PROMPT = ("System: you are a careful assistant. Use the context.\nContext: "
+                   + "the river runs north past the old mill and the stone bridge. " * 7 + "\nQ: which way? A:")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="*", default=None, help="family names (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def char_tokenizer():
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>"] + list(string.printable))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> tuple[int, ...]:
+    tensor = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=max_new_tokens,
+                             do_sample=False)
+    return tuple(out[0, len(ids):].tolist())
+
+
+def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
+    model = make_family_model(name)
+    engine = RKSCEngine(model, tokenizer)
+    greedy = SamplingParams(max_new_tokens=args.max_new_tokens)
+    ids = engine.encode(REPEATED_PROMPT)
+    want = hf_greedy(model, ids, args.max_new_tokens)
+    cold = engine.generate(ids, greedy)
+    warm = engine.generate(ids, greedy)
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.9, seed=5)
+    siblings = engine.generate_branches(ids, 4, sampled)
+    alone = RKSCEngine(model, tokenizer).generate(ids, SamplingParams(max_new_tokens=16, temperature=0.9, seed=7))
+    exact = cold.token_ids == want and warm.token_ids == want and siblings[2].token_ids == alone.token_ids
+
+    prompts = [engine.encode(f"Request {i}: " + "tell me about the mill. " * (2 + i)) for i in range(8)]
+    eos = sorted(engine.runner.eos_token_ids)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])
+
+    def run_rksc() -> int:
+        engine.clear_cache()
+        handles = [engine.submit(list(p), 1, greedy) for p in prompts]
+        return sum(len(h.result()[0].token_ids) for h in handles)
+
+    def run_hf() -> int:
+        with torch.inference_mode():
+            outputs = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
+                                           progress_bar=False)
+        count = sum(len([t for t in o.generated_tokens if t not in eos]) for o in outputs.values())
+        if not count:  # it logs a failed generation and returns empty outputs
+            raise RuntimeError("generate_batch generated no tokens (see its log)")
+        return count
+
+    def run_generate() -> int:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[eos[0]] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0])
+        count = 0
+        for row in out[:, width:].tolist():
+            count += next((i for i, t in enumerate(row) if t in eos), len(row))
+        return count
+
+    engine.reset_stats()
+    run_rksc()
+    refusal = engine.stats().batched_decode_refusal
+    batched = not refusal
+    arms = {"rksc": run_rksc, "generate_batch": run_hf, "generate": run_generate}
+    errors: dict[str, str] = {}
+    for arm_name, arm in list(arms.items()):  # warm up, untimed; an arm that fails is reported, not timed
+        try:
+            arm()
+        except Exception as error:  # noqa: BLE001 - a family transformers' continuous batching cannot run
+            errors[arm_name] = f"{type(error).__name__}: {str(error)[:120]}"
+            del arms[arm_name]
+    walls: dict[str, list[float]] = {arm_name: [] for arm_name in arms}
+    counts: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for arm_name, arm in arms.items():
+            start = time.perf_counter()
+            counts[arm_name] = arm()
+            walls[arm_name].append(time.perf_counter() - start)
+    tok_s = {arm_name: counts[arm_name] / statistics.median(walls[arm_name]) for arm_name in arms}
+    return {
+        "family": name, "exact": exact, "prompt_tokens": len(ids), "reused_tokens": warm.num_cached_tokens,
+        "batched_decode": batched, "batched_decode_refusal": refusal,
+        "prefix_cache_refusal": engine.stats().prefix_cache_refusal, "tok_s": tok_s, "errors": errors,
+        "ratio": tok_s["rksc"] / tok_s["generate_batch"] if "generate_batch" in tok_s else None,
+        "ratio_generate": tok_s["rksc"] / tok_s["generate"] if "generate" in tok_s else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    tokenizer = char_tokenizer()
+    names = args.families or [f.name for f in FAMILIES]
+    rows = []
+    print("| family | attention | exact | reuse of a repeated prompt | batched decode | rksc tok/s "
+          "| generate_batch tok/s | rksc / generate_batch | generate tok/s | rksc / generate |\n"
+          "|---|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for name in names:
+        attention = next(f.attention for f in FAMILIES if f.name == name)
+        row = measure(name, tokenizer, args)
+        rows.append(row)
+
+        def cell(arm: str, ratio_key: str, row: dict = row) -> str:
+            value = row["tok_s"].get(arm)
+            if value is None:
+                return "fails | n/a"
+            return f"{value:.0f} | {row[ratio_key]:.1f}x"
+
+        print(f"| {name} | {attention} | {'yes' if row['exact'] else 'NO'} "
+              f"| {row['reused_tokens']}/{row['prompt_tokens']} | {'yes' if row['batched_decode'] else 'no'} "
+              f"| {row['tok_s'].get('rksc', float('nan')):.0f} | {cell('generate_batch', 'ratio')} "
+              f"| {cell('generate', 'ratio_generate')} |", flush=True)
+    for row in rows:
+        for arm_name, error in row["errors"].items():
+            print(f"{row['family']}: {arm_name} failed: {error}", file=sys.stderr)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                                         "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
