@@ -175,7 +175,7 @@ def kernel_floor_seconds(model, n: int, num_prompt_tokens: int, repeats: int) ->
 
 
 def fused_attention(query, keys, values, scale):
-    from rksc_engine.kvcache.shared_prefix import fused_cpu_attention, partial_attention
+    from rksc_engine.kvcache.split_attention import fused_cpu_attention, partial_attention
 
     return fused_cpu_attention(query, keys, values, scale) or partial_attention(query, keys, values, scale)
 

@@ -218,3 +218,33 @@ def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> 
             return False
         time.sleep(interval_s)
     return True
+
+
+class AttentionModuleStub(torch.nn.Module):
+    """What the shared-prefix attention function reads from a transformers attention module."""
+
+    def __init__(self, num_key_value_groups: int):
+        super().__init__()
+        self.layer_idx = 0
+        self.num_key_value_groups = num_key_value_groups
+
+
+def batched_attention_step(requests, group, **attention_kwargs):
+    """One decode step's attention for ``requests``, each ``(rows, prefix segments, (suffix keys,
+    suffix values), (new keys, new values), query)``, in one ``BatchDecodeCache``; returns the
+    output (B, 1, H, D). ``attention_kwargs`` are what a model passes (``sliding_window``, ...)."""
+    from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, shared_prefix_attention
+
+    caches = []
+    for rows, segments, (suffix_k, suffix_v), _, _ in requests:
+        cache = SharedPrefixCache.from_segments([list(segments)], rows, suffix_capacity=8)
+        cache.layers[0].update(suffix_k, suffix_v)
+        caches.append(cache)
+    batch = BatchDecodeCache(caches)
+    new_k = torch.cat([new[0] for *_, new, _ in requests])
+    new_v = torch.cat([new[1] for *_, new, _ in requests])
+    query = torch.cat([q for *_, q in requests])
+    keys, values = batch.layers[0].update(new_k, new_v)
+    out, _ = shared_prefix_attention(AttentionModuleStub(group), query, keys, values, None,
+                                     scaling=query.shape[-1] ** -0.5, **attention_kwargs, **batch.forward_kwargs())
+    return out

@@ -4,16 +4,10 @@ variant's mask, cap and sinks, and a request's rows keep their bits alone and ba
 
 import pytest
 import torch
+from conftest import AttentionModuleStub, batched_attention_step
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
-from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, shared_prefix_attention
-
-
-class _AttentionModule(torch.nn.Module):
-    def __init__(self, num_key_value_groups: int):
-        super().__init__()
-        self.layer_idx = 0
-        self.num_key_value_groups = num_key_value_groups
+from rksc_engine.kvcache.shared_prefix import SharedPrefixCache, shared_prefix_attention
 
 
 def _reference(query, segments, suffix_k, suffix_v, window, softcap, sinks, group):
@@ -33,7 +27,7 @@ def _reference(query, segments, suffix_k, suffix_v, window, softcap, sinks, grou
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     if sinks is not None:
-        module = _AttentionModule(1)  # keys and values are repeated for the group above
+        module = AttentionModuleStub(1)  # keys and values are repeated for the group above
         module.sinks = sinks
         out, _ = gpt_oss_eager(module, query, keys, values, mask, scaling=head_dim**-0.5, dropout=0.0)
         return out
@@ -71,7 +65,7 @@ def test_the_split_attention_applies_the_window_cap_and_sinks_as_eager_attention
     cache = SharedPrefixCache.from_segments([list(segments)], batch, suffix_capacity=4, fused=fused)
     keys, values = cache.layers[0].update(suffix_k, suffix_v)
     kwargs = {"sliding_window": window, "softcap": softcap, "s_aux": sinks}
-    got, _ = shared_prefix_attention(_AttentionModule(group), query, keys, values, None, scaling=head_dim**-0.5,
+    got, _ = shared_prefix_attention(AttentionModuleStub(group), query, keys, values, None, scaling=head_dim**-0.5,
                                      **kwargs, **cache.forward_kwargs())
     want = _reference(query, segments, suffix_k, suffix_v, window, softcap, sinks, group)
     assert got.shape == want.shape == (batch, num_new, num_kv_heads * group, head_dim)
@@ -88,7 +82,7 @@ def test_a_window_shorter_than_the_suffix_sees_no_prefix_at_all():
     query = torch.randn(2, 1, 1, 4, generator=gen)
     cache = SharedPrefixCache.from_segments([[prefix]], 2, suffix_capacity=8)
     keys, values = cache.layers[0].update(suffix_k, suffix_v)
-    got, _ = shared_prefix_attention(_AttentionModule(1), query, keys, values, None, sliding_window=3,
+    got, _ = shared_prefix_attention(AttentionModuleStub(1), query, keys, values, None, sliding_window=3,
                                      **cache.forward_kwargs())
     weights = torch.softmax(query @ suffix_k[:, :, -3:].transpose(-1, -2) * 0.5, dim=-1)
     torch.testing.assert_close(got, (weights @ suffix_v[:, :, -3:]).transpose(1, 2))
@@ -115,22 +109,6 @@ def _requests(seed):
     return requests, group
 
 
-def _step(requests, group, **variant):
-    caches = []
-    for rows, segments, (suffix_k, suffix_v), _, _ in requests:
-        cache = SharedPrefixCache.from_segments([list(segments)], rows, suffix_capacity=8)
-        cache.layers[0].update(suffix_k, suffix_v)
-        caches.append(cache)
-    batch = BatchDecodeCache(caches)
-    new_k = torch.cat([new[0] for *_, new, _ in requests])
-    new_v = torch.cat([new[1] for *_, new, _ in requests])
-    query = torch.cat([q for *_, q in requests])
-    keys, values = batch.layers[0].update(new_k, new_v)
-    out, _ = shared_prefix_attention(_AttentionModule(group), query, keys, values, None,
-                                     scaling=query.shape[-1] ** -0.5, **variant, **batch.forward_kwargs())
-    return out
-
-
 @pytest.mark.parametrize("variant", [dict(sliding_window=6), dict(sliding_window=14, softcap=4.0),
                                      dict(s_aux="sinks"), dict(sliding_window=10, s_aux="sinks")])
 @pytest.mark.parametrize("seed", range(3))
@@ -138,8 +116,8 @@ def test_each_requests_rows_are_bit_identical_alone_and_batched_under_a_variant(
     requests, group = _requests(seed)
     if variant.get("s_aux") == "sinks":
         variant = {**variant, "s_aux": torch.randn(requests[0][4].shape[1], generator=torch.Generator().manual_seed(9))}
-    alone = [_step([request], group, **variant) for request in requests]
-    together = _step(requests, group, **variant)
+    alone = [batched_attention_step([request], group, **variant) for request in requests]
+    together = batched_attention_step(requests, group, **variant)
     assert torch.equal(torch.cat(alone), together)
     # ... and each request's rows equal the model's eager attention over its own sequence.
     for (_, segments, (suffix_k, suffix_v), (new_k, new_v), query), got in zip(requests, alone):
@@ -149,7 +127,7 @@ def test_each_requests_rows_are_bit_identical_alone_and_batched_under_a_variant(
 
 
 def test_a_layer_with_sinks_it_does_not_pass_is_refused():
-    module = _AttentionModule(1)
+    module = AttentionModuleStub(1)
     module.sinks = torch.zeros(1)
     cache = SharedPrefixCache([(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))], 1)
     keys, values = cache.layers[0].update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))

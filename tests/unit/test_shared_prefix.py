@@ -4,27 +4,17 @@ not support fall back to the old one."""
 
 import pytest
 import torch
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import AttentionModuleStub, batched_attention_step, make_char_tokenizer, make_tiny_model
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
-    BatchDecodeCache,
     SharedPrefixCache,
     attention_implementation,
     probe,
     shared_prefix_attention,
 )
-
-
-class _AttentionModule(torch.nn.Module):
-    """What the attention function reads from a transformers attention module."""
-
-    def __init__(self, num_key_value_groups: int):
-        super().__init__()
-        self.layer_idx = 0
-        self.num_key_value_groups = num_key_value_groups
 
 
 def _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, group):
@@ -37,7 +27,7 @@ def _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, gro
     for i in range(num_new):
         mask[i, total - num_new + i + 1:] = float("-inf")
     out, _ = eager_attention_forward(
-        _AttentionModule(group), query, keys, values, mask[None, None], scaling=query.shape[-1] ** -0.5
+        AttentionModuleStub(group), query, keys, values, mask[None, None], scaling=query.shape[-1] ** -0.5
     )
     return out
 
@@ -55,7 +45,7 @@ def test_split_attention_equals_eager_attention_over_the_concatenated_kv(num_hea
     keys, values = cache.layers[0].update(suffix_k, suffix_v)
     group = num_heads // num_kv_heads
     got, _ = shared_prefix_attention(
-        _AttentionModule(group), query, keys, values, None, scaling=head_dim**-0.5, **cache.forward_kwargs()
+        AttentionModuleStub(group), query, keys, values, None, scaling=head_dim**-0.5, **cache.forward_kwargs()
     )
     want = _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, group)
     assert got.shape == want.shape == (batch, num_new, num_heads, head_dim)
@@ -268,27 +258,11 @@ def _requests_for_batching(seed: int):
     return requests, group
 
 
-def _decode_step(requests, group):
-    caches = []
-    for rows, segments, (suffix_k, suffix_v), _, _ in requests:
-        cache = SharedPrefixCache.from_segments([list(segments)], rows, suffix_capacity=8)
-        cache.layers[0].update(suffix_k, suffix_v)
-        caches.append(cache)
-    batch = BatchDecodeCache(caches)
-    new_k = torch.cat([new[0] for *_, new, _ in requests])
-    new_v = torch.cat([new[1] for *_, new, _ in requests])
-    query = torch.cat([q for *_, q in requests])
-    keys, values = batch.layers[0].update(new_k, new_v)
-    out, _ = shared_prefix_attention(_AttentionModule(group), query, keys, values, None,
-                                     scaling=query.shape[-1] ** -0.5, **batch.forward_kwargs())
-    return out
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_each_requests_rows_are_bit_identical_alone_and_batched_with_other_requests(seed):
     requests, group = _requests_for_batching(seed)
-    alone = [_decode_step([request], group) for request in requests]
-    assert torch.equal(_decode_step(requests, group), torch.cat(alone))
+    alone = [batched_attention_step([request], group) for request in requests]
+    assert torch.equal(batched_attention_step(requests, group), torch.cat(alone))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -297,7 +271,7 @@ def test_a_branch_is_bit_identical_alone_and_among_its_siblings(seed):
     the prefix segments' merge and the suffix's merge must not depend on how many rows share them
     (PyTorch's elementwise kernels finish a tensor's tail with scalar code, see VECTOR_ALIGNMENT)."""
     (_, (rows, segments, suffix, new, query), _), group = _requests_for_batching(seed)
-    together = _decode_step([(rows, segments, suffix, new, query)], group)
+    together = batched_attention_step([(rows, segments, suffix, new, query)], group)
     for i in range(rows):
         one = (1, segments, tuple(t[i:i + 1] for t in suffix), tuple(t[i:i + 1] for t in new), query[i:i + 1])
-        assert torch.equal(_decode_step([one], group), together[i:i + 1]), f"branch {i} changed among its siblings"
+        assert torch.equal(batched_attention_step([one], group), together[i:i + 1]), f"branch {i} changed among its siblings"
