@@ -23,10 +23,17 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 def layer_types(config: Any) -> list[str]:
-    """Each decoder layer's cache type as ``transformers`` decides it for ``DynamicCache(config=...)``."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
+    """Each decoder layer's cache type as ``transformers`` decides it for ``DynamicCache(config=...)``
+    (inferred the same way on releases without ``get_layer_types_and_kwargs``)."""
     decoder = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:
+        types = getattr(decoder, "layer_types", None)
+        if types is None:
+            kind = "sliding_attention" if getattr(decoder, "sliding_window", None) is not None else "full_attention"
+            types = [kind] * int(decoder.num_hidden_layers)
+        return list(types)
     types, _ = get_layer_types_and_kwargs(decoder)
     return list(types)
 
@@ -46,8 +53,10 @@ def has_sliding_layers(config: Any) -> bool:
 def unsupported_layer_types(config: Any) -> list[str]:
     """The model's layer types that ``transformers``' own ``DynamicCache`` cannot hold (so neither
     can rksc), in first-seen order."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
-
+    try:
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+    except ImportError:  # a release whose DynamicCache knows only attention layers
+        DYNAMIC_LAYER_TYPE_MAPPING = ATTENTION_LAYER_TYPES  # noqa: N806
     seen: list[str] = []
     for kind in layer_types(config):
         if kind not in DYNAMIC_LAYER_TYPE_MAPPING and kind not in seen:
@@ -71,13 +80,16 @@ def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None) -> Any:
     For a model of attention layers only, every layer keeps its whole KV (``DynamicLayer``), sliding
     ones included (see the module docstring). Otherwise the model's own cache, ``kv`` not allowed."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     if keeps_token_kv(config):
         if kv and kv[0][0].shape[-2] > 0:
             return DynamicCache(ddp_cache_data=kv)
         # Every layer built now, not lazily on its first update: a pass that fails part-way must
         # leave layers whose lengths say what they hold, so that it can be rolled back.
-        return DynamicCache(ddp_cache_data=[(None, None)] * len(layer_types(config)))
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in layer_types(config)]
+        return cache
     if kv:
         raise ValueError("kv can only be given for models whose every layer keeps per-token KV")
     return DynamicCache(config=config)
