@@ -35,6 +35,7 @@ import torch
 from .config import EngineConfig, SamplingParams, check_request_shape
 from .kvcache.radix import RadixPrefixCache
 from .kvcache.shared_prefix import initial_suffix_capacity
+from .kvcache.state_snapshots import StateSnapshots
 from .results import Completion, EngineStats, StreamChunk
 from .runtime.cpu_threads import release_openmp_workers
 from .runtime.handle import BranchMonitor, LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
@@ -78,7 +79,9 @@ class RKSCEngine:
         self.runner = ModelRunner(model, tokenizer, config, self.prefix_cache, self._counters)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         cacheable = config.rsbcm.enabled and self.runner.supports_prefix_cache()
-        self._prefill = Prefiller(self.runner, self.prefix_cache, config.asks, cacheable, self._counters)
+        # A model the radix cache cannot hold keeps snapshots of its prompts' states instead.
+        snapshots = StateSnapshots(config.rsbcm.budget_bytes) if config.rsbcm.enabled and not cacheable else None
+        self._prefill = Prefiller(self.runner, self.prefix_cache, config.asks, cacheable, self._counters, snapshots)
         self._prompts = PromptEncoder(tokenizer, int(model.config.vocab_size), config.asks, cacheable)
         self.scheduler = Scheduler(self.runner, self._prefill, tokenizer, config.scheduler, self._counters)
         self._lock = self.scheduler.lock
@@ -359,6 +362,7 @@ class RKSCEngine:
         """Drop all cached prefixes not in use."""
         with self._lock:
             self.prefix_cache.clear()
+            self._prefill.clear_snapshots()
 
     # -- the cache, for callers that drive the model themselves --------------------------------------
     def annotate_cache(self, token_ids: Sequence[int], *, start: int = 0, branch_score: float, depth: int) -> int:

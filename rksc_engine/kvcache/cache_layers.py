@@ -69,8 +69,9 @@ def prefix_cache_refusal(config: Any) -> str:
     other = sorted(set(layer_types(config)) - ATTENTION_LAYER_TYPES)
     if not other:
         return ""
-    return (f"layers of type {other} keep a recurrent state or a cache the radix tree cannot slice by token, "
-            "so prompts are prefilled in full and branches fork from the prompt's state")
+    return (f"layers of type {other} keep a recurrent state or a cache the radix tree cannot slice by token: "
+            "a prompt reuses only the snapshot an earlier prompt left after all its tokens but the last "
+            "(when it starts with them), and branches fork from the prompt's state")
 
 
 def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None) -> Any:

@@ -23,6 +23,7 @@ from ..kvcache.cache_layers import has_sliding_layers
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import SharedPrefixCache, logit_tolerance
+from ..kvcache.state_snapshots import StateSnapshots
 from ..results import ASKSDecision, ChunkReuseDecision
 from .model_runner import ModelRunner
 from .stats import Counters
@@ -108,12 +109,15 @@ class Prefiller:
         asks_config: ASKS and retrieved-chunk reuse settings.
         cacheable: Whether the radix cache is in use (configured on, and the model's cache layers allow it).
         counters: Where prompt tokens computed and reused, hits and ASKS decisions are counted.
+        snapshots: Prompt-state snapshots for a model the radix cache cannot hold, or None.
     """
 
     def __init__(self, runner: ModelRunner, prefix_cache: RadixPrefixCache, asks_config: ASKSConfig,
-                 cacheable: bool, counters: Counters) -> None:
+                 cacheable: bool, counters: Counters, snapshots: StateSnapshots | None = None) -> None:
         self.runner = runner
         self.prefix_cache = prefix_cache
+        # For a model the radix cache cannot hold (recurrent layers): its prompts' states.
+        self.snapshots = snapshots
         self.asks_config = asks_config
         self.cacheable = cacheable
         self.counters = counters
@@ -169,15 +173,22 @@ class Prefiller:
         A generator like ``prefill_steps``. It counts nothing: a prompt's prefill and a retrieved
         chunk cached for reuse are counted differently, by the callers."""
         cache, matched, node = self.cache_for_prefix(token_ids)
+        # A snapshot is taken after all tokens but the last, as the radix cache leaves the last one
+        # to compute: the pass that would cover that point stops there.
+        snapshot_at = len(token_ids) - 1 if self.snapshots is not None and matched < len(token_ids) - 1 else None
         try:
             position = matched
             while True:
                 limit = chunk_tokens() if callable(chunk_tokens) else chunk_tokens
                 end = len(token_ids) if limit is None else min(len(token_ids), position + max(1, limit))
+                if snapshot_at is not None and position < snapshot_at < end:
+                    end = snapshot_at
                 with torch.inference_mode():
                     input_ids = torch.tensor([token_ids[position:end]], device=self.runner.device)
                     out = self.runner.forward(input_ids, cache, logits_to_keep=1)
                 computed, position = end - position, end
+                if position == snapshot_at:
+                    self.snapshots.insert(token_ids[:position], cache)
                 if position == len(token_ids):
                     break
                 yield computed  # outside inference_mode: the caller's code runs between passes
@@ -486,6 +497,10 @@ class Prefiller:
                 kv = match.kv  # (L, 2, H_kv, T, D)
                 layers = [(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])]
                 return self.runner.new_cache(layers), match.num_tokens, match.last_node
+        if self.snapshots is not None:
+            cache, matched = self.snapshots.match(prompt_ids, len(prompt_ids) - 1)
+            if cache is not None:
+                return cache, matched, None
         return self.runner.new_cache(), 0, None
 
     def unlock(self, node: Any) -> None:
@@ -506,6 +521,15 @@ class Prefiller:
                 self.unlock(node)
             self.counters.count("prompt_tokens_computed", lent.computed_tokens)
             self.counters.count("prompt_tokens_reused", lent.reused_tokens)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes the prompt-state snapshots hold (0 when there are none)."""
+        return self.snapshots.total_bytes if self.snapshots is not None else 0
+
+    def clear_snapshots(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     def cached_prefix_length(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` the radix cache holds KV for (0 when it is off)."""

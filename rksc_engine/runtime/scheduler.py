@@ -219,7 +219,7 @@ class Scheduler:
         (the caller holds the engine)."""
         snapshot = self.counters.snapshot()
         cache = self.prefix_cache
-        snapshot.cache_bytes = cache.total_bytes
+        snapshot.cache_bytes = cache.total_bytes + self.prefiller.snapshot_bytes
         snapshot.cache_tokens = cache.total_tokens
         snapshot.cache_evicted_tokens = cache.evicted_tokens
         snapshot.cache_peak_bytes = cache.peak_bytes

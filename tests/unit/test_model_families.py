@@ -44,12 +44,13 @@ def test_greedy_equals_generate_cold_and_warm_and_the_repeated_prompt_is_reused(
     assert cold.token_ids == want
     assert warm.token_ids == want
     stats = engine.stats()
+    # Every prompt token but the last comes from the cache: the radix tree's KV, or for recurrent
+    # layers the snapshot of the state the first call left.
+    assert warm.num_cached_tokens == len(engine.encode(PROMPT)) - 1
     if family(name).recurrent:
-        assert warm.num_cached_tokens == 0
         assert "recurrent state" in stats.prefix_cache_refusal
         assert stats.batched_decode_refusal
     else:
-        assert warm.num_cached_tokens == len(engine.encode(PROMPT)) - 1
         assert stats.prefix_cache_refusal == "" and stats.batched_decode_refusal == ""
 
 
@@ -164,3 +165,46 @@ def test_forking_a_recurrent_cache_copies_its_state_to_every_row(tokenizer):
     select_rows(cache, torch.tensor([1]))
     assert all(state.shape[0] == 1 for layer in cache.layers
                for state in getattr(layer, "recurrent_states", {}).values() if state is not None)
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_an_agent_turn_on_a_recurrent_hybrid_resumes_from_the_last_prompts_state(name, tokenizer):
+    model = make_family_model(name)
+    engine = RKSCEngine(model, tokenizer)
+    first_prompt = engine.encode(PROMPT)
+    first = engine.generate(first_prompt, SamplingParams(max_new_tokens=6))
+    next_prompt = first_prompt + list(first.token_ids) + engine.encode("\nQ: and then?\nA:")
+    served = engine.generate(next_prompt, SamplingParams(max_new_tokens=12))
+    assert served.num_cached_tokens == len(first_prompt) - 1
+    cold = RKSCEngine(model, tokenizer).generate(next_prompt, SamplingParams(max_new_tokens=12))
+    assert cold.num_cached_tokens == 0
+    assert served.token_ids == cold.token_ids
+    assert engine.stats().cache_bytes > 0
+    engine.clear_cache()
+    assert engine.stats().cache_bytes == 0
+
+
+def test_state_snapshots_match_the_longest_stored_prefix_and_stay_within_budget():
+    from transformers import DynamicCache
+
+    from rksc_engine.kvcache.state_snapshots import StateSnapshots, cache_bytes
+
+    def cache_of(tokens):
+        kv = torch.full((1, 1, tokens, 4), float(tokens))
+        return DynamicCache(ddp_cache_data=[(kv, kv.clone())])
+
+    size = cache_bytes(cache_of(3))
+    store = StateSnapshots(budget_bytes=2 * size + size // 2)
+    assert store.insert([1, 2, 3], cache_of(3))
+    assert store.match([1, 2, 3, 4, 5], max_tokens=4)[1] == 3
+    assert store.match([1, 2, 3, 4, 5], max_tokens=2) == (None, 0)
+    assert store.insert([1, 2, 7], cache_of(3))
+    copy, matched = store.match([1, 2, 3, 9], max_tokens=3)  # touches [1, 2, 3]: now the newest
+    copy.layers[0].keys.zero_()  # a copy: the snapshot itself is unchanged
+    assert float(store.match([1, 2, 3], max_tokens=3)[0].layers[0].keys.max()) == 3.0
+    assert store.insert([5, 6, 7], cache_of(3))  # over budget: the least recently used ([1, 2, 7]) goes
+    assert len(store) == 2 and store.total_bytes <= store.budget_bytes
+    assert store.match([1, 2, 7], max_tokens=3) == (None, 0)
+    assert not store.insert([9] * 40, cache_of(40))  # larger than the whole budget: not kept
+    with pytest.raises(ValueError, match="budget_bytes"):
+        StateSnapshots(0)
