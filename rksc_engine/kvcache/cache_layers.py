@@ -74,22 +74,25 @@ def prefix_cache_refusal(config: Any) -> str:
             "(when it starts with them), and branches fork from the prompt's state")
 
 
-def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None) -> Any:
+def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None, types: list[str] | None = None) -> Any:
     """A batch cache for ``config``'s model, optionally holding ``kv`` (per layer ``(keys, values)``,
     each (B, H_kv, T, D)).
 
     For a model of attention layers only, every layer keeps its whole KV (``DynamicLayer``), sliding
-    ones included (see the module docstring). Otherwise the model's own cache, ``kv`` not allowed."""
+    ones included (see the module docstring). Otherwise the model's own cache, ``kv`` not allowed.
+    ``types`` is ``layer_types(config)`` when the caller holds it already (it costs about a
+    millisecond to work out for a 30-layer model)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    if keeps_token_kv(config):
+    types = layer_types(config) if types is None else types
+    if types and all(t in ATTENTION_LAYER_TYPES for t in types):
         if kv and kv[0][0].shape[-2] > 0:
             return DynamicCache(ddp_cache_data=kv)
         # Every layer built now, not lazily on its first update: a pass that fails part-way must
         # leave layers whose lengths say what they hold, so that it can be rolled back.
         cache = DynamicCache()
-        cache.layers = [DynamicLayer() for _ in layer_types(config)]
+        cache.layers = [DynamicLayer() for _ in types]
         return cache
     if kv:
         raise ValueError("kv can only be given for models whose every layer keeps per-token KV")

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig
-from ..kvcache.cache_layers import keeps_token_kv, new_kv_cache, prefix_cache_refusal, unsupported_layer_types
+from ..kvcache.cache_layers import (
+    ATTENTION_LAYER_TYPES,
+    keeps_token_kv,
+    layer_types,
+    new_kv_cache,
+    prefix_cache_refusal,
+    unsupported_layer_types,
+)
 from ..kvcache.memory import run_with_oom_retry
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import ProbeResult, probe
@@ -45,8 +52,10 @@ class ModelRunner:
             raise NotImplementedError(f"rksc cannot run layers of type {unsupported}: transformers' DynamicCache has no "
                                       "layer for them, so no exact cache can be kept")
         self.model = model.eval()
-        self._prefix_cache_refusal = prefix_cache_refusal(model.config) if hasattr(model.config, "get_text_config") \
-            else ""
+        has_layer_types = hasattr(model.config, "get_text_config")
+        self._prefix_cache_refusal = prefix_cache_refusal(model.config) if has_layer_types else ""
+        # Fixed for the model's life, and worked out from its config at some cost: once.
+        self._layer_types = layer_types(model.config) if has_layer_types else None
         self.config = config
         self.prefix_cache = prefix_cache
         self.counters = counters
@@ -93,7 +102,9 @@ class ModelRunner:
         """Whether every layer attends over per-token KV (full or sliding-window attention), kept
         whole (``cache_layers.new_kv_cache``), so slicing it into the radix tree is exact; recurrent
         layers keep a state instead."""
-        return keeps_token_kv(self.model.config)
+        types = self._layer_types
+        return keeps_token_kv(self.model.config) if types is None else \
+            bool(types) and all(t in ATTENTION_LAYER_TYPES for t in types)
 
     def prefix_cache_refusal(self) -> str:
         """Why the radix cache cannot hold this model's prompts ("" when it can)."""
@@ -111,7 +122,7 @@ class ModelRunner:
 
     def new_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
         """A fresh batch cache for the model (``cache_layers.new_kv_cache``), optionally holding ``kv``."""
-        return new_kv_cache(self.model.config, kv)
+        return new_kv_cache(self.model.config, kv, self._layer_types)
 
     # -- passes ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
