@@ -38,10 +38,11 @@ def layer_types(config: Any) -> list[str]:
     return list(types)
 
 
-def keeps_token_kv(config: Any) -> bool:
+def keeps_token_kv(config_or_types: Any) -> bool:
     """Whether every layer of the model attends over per-token KV (full or sliding-window
-    attention), so its whole KV can be kept, sliced and shared exactly."""
-    types = layer_types(config)
+    attention), so its whole KV can be kept, sliced and shared exactly. Takes the model's config
+    or its ``layer_types`` already worked out."""
+    types = config_or_types if isinstance(config_or_types, list) else layer_types(config_or_types)
     return bool(types) and all(t in ATTENTION_LAYER_TYPES for t in types)
 
 
@@ -50,23 +51,23 @@ def has_sliding_layers(config: Any) -> bool:
     return "sliding_attention" in layer_types(config)
 
 
-def unsupported_layer_types(config: Any) -> list[str]:
-    """The model's layer types that ``transformers``' own ``DynamicCache`` cannot hold (so neither
-    can rksc), in first-seen order."""
+def unsupported_layer_types(types: list[str]) -> list[str]:
+    """Of a model's ``layer_types``, those ``transformers``' own ``DynamicCache`` cannot hold (so
+    neither can rksc), in first-seen order."""
     try:
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
     except ImportError:  # a release whose DynamicCache knows only attention layers
         DYNAMIC_LAYER_TYPE_MAPPING = ATTENTION_LAYER_TYPES  # noqa: N806
     seen: list[str] = []
-    for kind in layer_types(config):
+    for kind in types:
         if kind not in DYNAMIC_LAYER_TYPE_MAPPING and kind not in seen:
             seen.append(kind)
     return seen
 
 
-def prefix_cache_refusal(config: Any) -> str:
-    """Why the radix cache cannot hold this model's prompts ("" when it can)."""
-    other = sorted(set(layer_types(config)) - ATTENTION_LAYER_TYPES)
+def prefix_cache_refusal(types: list[str]) -> str:
+    """Why the radix cache cannot hold the prompts of a model of these ``layer_types`` ("" when it can)."""
+    other = sorted(set(types) - ATTENTION_LAYER_TYPES)
     if not other:
         return ""
     return (f"layers of type {other} keep a recurrent state or a cache the radix tree cannot slice by token: "
@@ -86,7 +87,7 @@ def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None, types: li
     from transformers.cache_utils import DynamicLayer
 
     types = layer_types(config) if types is None else types
-    if types and all(t in ATTENTION_LAYER_TYPES for t in types):
+    if keeps_token_kv(types):
         if kv and kv[0][0].shape[-2] > 0:
             return DynamicCache(ddp_cache_data=kv)
         # Every layer built now, not lazily on its first update: a pass that fails part-way must
@@ -99,8 +100,18 @@ def new_kv_cache(config: Any, kv: list[tuple[Any, Any]] | None = None, types: li
     return DynamicCache(config=config)
 
 
-def _has_recurrent_state(cache: Any) -> bool:
+def has_recurrent_state(cache: Any) -> bool:
+    """Whether some layer of a ``transformers`` cache keeps a recurrent (or convolution) state,
+    which each pass overwrites in place."""
     return any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", ()))
+
+
+def layer_tensors(layer: Any) -> list[torch.Tensor]:
+    """The tensors one cache layer holds: its keys and values, or its conv and recurrent states."""
+    found = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+        found += list(states.values()) if isinstance(states, dict) else list(states or ())
+    return [t for t in found if isinstance(t, torch.Tensor)]
 
 
 def repeat_rows(cache: Any, repeats: int) -> None:
@@ -112,7 +123,7 @@ def repeat_rows(cache: Any, repeats: int) -> None:
     starts from the one state the prompt left."""
     if repeats == 1:
         return
-    if not _has_recurrent_state(cache):
+    if not has_recurrent_state(cache):
         cache.batch_repeat_interleave(repeats)
         return
     rows = _batch_size(cache)
@@ -124,7 +135,7 @@ def repeat_rows(cache: Any, repeats: int) -> None:
 
 def select_rows(cache: Any, index: torch.Tensor) -> None:
     """Keep only the rows ``index`` of a ``transformers`` cache, in place (finished branches dropped)."""
-    if _has_recurrent_state(cache) and _batch_size(cache) is not None:
+    if has_recurrent_state(cache) and _batch_size(cache) is not None:
         cache.reorder_cache(index)
     else:
         cache.batch_select_indices(index)
@@ -132,11 +143,7 @@ def select_rows(cache: Any, index: torch.Tensor) -> None:
 
 def _batch_size(cache: Any) -> int | None:
     for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.dim() == 4:
-            return int(keys.shape[0])
-        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
-            for state in (states or {}).values():
-                if isinstance(state, torch.Tensor):
-                    return int(state.shape[0])
+        for tensor in layer_tensors(layer):
+            if tensor.dim() >= 2:
+                return int(tensor.shape[0])
     return None

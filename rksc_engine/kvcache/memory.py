@@ -28,6 +28,8 @@ from tenacity import (
     wait_none,
 )
 
+from .cache_layers import has_recurrent_state
+
 T = TypeVar("T")
 
 # torch.OutOfMemoryError is CUDA/MPS/XPU running out; MemoryError is the host allocator.
@@ -71,7 +73,7 @@ def roll_back(cache: Any, lengths: list[int] | None) -> None:
             has recurrent layers (their state cannot be rolled back); retrying would feed those
             positions twice, so the pass is not retried.
     """
-    if any(hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", ())):
+    if has_recurrent_state(cache):
         # A recurrent state is overwritten in place by the pass: there is nothing to crop it back to.
         raise ForwardOutOfMemoryError("forward pass ran out of memory in a model with recurrent layers, whose state "
                                       "cannot be rolled back, so the pass is not retried")

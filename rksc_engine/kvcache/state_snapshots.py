@@ -18,20 +18,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from .cache_layers import layer_tensors
 from .memory import is_out_of_memory
 
 
 def cache_bytes(cache: Any) -> int:
     """Bytes of the tensors a ``transformers`` cache holds (KV, conv and recurrent states)."""
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
-            tensors += list(states.values()) if isinstance(states, dict) else list(states or ())
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
+    return sum(t.numel() * t.element_size() for layer in getattr(cache, "layers", ()) for t in layer_tensors(layer))
 
 
 class StateSnapshots:

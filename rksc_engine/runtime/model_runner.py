@@ -17,7 +17,6 @@ import torch
 
 from ..config import EngineConfig
 from ..kvcache.cache_layers import (
-    ATTENTION_LAYER_TYPES,
     keeps_token_kv,
     layer_types,
     new_kv_cache,
@@ -47,15 +46,14 @@ class ModelRunner:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, prefix_cache: RadixPrefixCache,
                  counters: Counters) -> None:
-        unsupported = unsupported_layer_types(model.config) if hasattr(model.config, "get_text_config") else []
+        # Fixed for the model's life, and worked out from its config at some cost: once.
+        self._layer_types = layer_types(model.config) if hasattr(model.config, "get_text_config") else None
+        unsupported = unsupported_layer_types(self._layer_types or [])
         if unsupported:
             raise NotImplementedError(f"rksc cannot run layers of type {unsupported}: transformers' DynamicCache has no "
                                       "layer for them, so no exact cache can be kept")
         self.model = model.eval()
-        has_layer_types = hasattr(model.config, "get_text_config")
-        self._prefix_cache_refusal = prefix_cache_refusal(model.config) if has_layer_types else ""
-        # Fixed for the model's life, and worked out from its config at some cost: once.
-        self._layer_types = layer_types(model.config) if has_layer_types else None
+        self._prefix_cache_refusal = prefix_cache_refusal(self._layer_types or [])
         self.config = config
         self.prefix_cache = prefix_cache
         self.counters = counters
@@ -102,9 +100,7 @@ class ModelRunner:
         """Whether every layer attends over per-token KV (full or sliding-window attention), kept
         whole (``cache_layers.new_kv_cache``), so slicing it into the radix tree is exact; recurrent
         layers keep a state instead."""
-        types = self._layer_types
-        return keeps_token_kv(self.model.config) if types is None else \
-            bool(types) and all(t in ATTENTION_LAYER_TYPES for t in types)
+        return keeps_token_kv(self.model.config if self._layer_types is None else self._layer_types)
 
     def prefix_cache_refusal(self) -> str:
         """Why the radix cache cannot hold this model's prompts ("" when it can)."""

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..config import SamplingParams, SchedulerConfig
-from ..kvcache.cache_layers import repeat_rows, select_rows
+from ..kvcache.cache_layers import layer_tensors, repeat_rows, select_rows
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.prefix_match import common_prefix_length
 from ..kvcache.shared_prefix import SharedPrefixCache, initial_suffix_capacity
@@ -186,9 +186,7 @@ class Scheduler:
         for request in self._running:
             for layer in getattr(request.cache, "layers", ()):
                 # The branches' suffixes, or a DynamicCache's all (a recurrent layer's states instead)
-                tensors = [getattr(layer, name, None) for name in ("keys", "values")]
-                for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
-                    tensors += list(states.values()) if isinstance(states, dict) else list(states or ())
+                tensors = layer_tensors(layer)
                 segments = getattr(layer, "segments", [])
                 # Segments read in place from the radix cache are the cache's bytes, not the request's.
                 if request.head.locked_node is None:
