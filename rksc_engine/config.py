@@ -172,6 +172,10 @@ class RSBCMConfig:
         oom_backoff_s: First wait between tries in seconds (>= 0), doubling each retry. Default 0.05.
         enabled: Reuse KV of previously computed token prefixes across calls. Default True. Off, every
             prompt is computed in full (the budget still bounds the branches' own KV).
+        free_out_of_window: For models with sliding-window layers, free those layers' cached KV that
+            no cached prompt's window reaches before evicting anything, and reuse a prefix only
+            where its last window of positions keeps every layer (SGLang's rule). Exact either way.
+            Default True.
     """
 
     cache_budget_mb: float = 1024.0
@@ -182,9 +186,11 @@ class RSBCMConfig:
     oom_budget_restore: float = 2.0
     oom_backoff_s: float = 0.05
     enabled: bool = True
+    free_out_of_window: bool = True
 
     def __post_init__(self) -> None:
         check_type("rsbcm.enabled", self.enabled, bool)
+        check_type("rsbcm.free_out_of_window", self.free_out_of_window, bool)
         check_type("rsbcm.cache_budget_mb", self.cache_budget_mb, (int, float))
         if not self.cache_budget_mb > 0 or self.cache_budget_mb == float("inf"):
             raise ValueError(f"rsbcm.cache_budget_mb must be > 0 and finite, got {self.cache_budget_mb}")

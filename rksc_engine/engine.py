@@ -79,6 +79,10 @@ class RKSCEngine:
         self.runner = ModelRunner(model, tokenizer, config, self.prefix_cache, self._counters)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         cacheable = config.rsbcm.enabled and self.runner.supports_prefix_cache()
+        sliding = self.runner.sliding_window_layers() if cacheable and config.rsbcm.free_out_of_window else None
+        if sliding is not None:
+            # Out-of-window KV of those layers is freed first under the budget (radix.py).
+            self.prefix_cache.set_sliding_window(*sliding)
         # A model the radix cache cannot hold keeps snapshots of its prompts' states instead.
         snapshots = StateSnapshots(config.rsbcm.budget_bytes) if config.rsbcm.enabled and not cacheable else None
         self._prefill = Prefiller(self.runner, self.prefix_cache, config.asks, cacheable, self._counters, snapshots)

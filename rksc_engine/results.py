@@ -198,6 +198,8 @@ class EngineStats:
     cache_bytes: int = 0
     cache_tokens: int = 0
     cache_evicted_tokens: int = 0
+    # tokens whose sliding-window layers' KV the cache freed, out of every cached prompt's window
+    cache_window_freed_tokens: int = 0
     cache_peak_bytes: int = 0  # most KV bytes the prefix cache held at once (since reset_stats)
     cache_budget_bytes: int = 0  # its effective budget now (shrinks after out-of-memory errors)
     oom_retries: int = 0  # forward passes retried after an out-of-memory error

@@ -65,7 +65,7 @@ REPLICAS_PATH = "/v1/rksc/replicas"
 DEFAULT_MAX_ONGOING_REQUESTS = 64
 # Counters summed over replicas in ``GET /v1/rksc/replicas``'s ``total``.
 SUMMED_STATS = ("requests", "prompt_tokens_computed", "prompt_tokens_reused", "decode_tokens", "prefills",
-                "cache_hits", "cache_misses", "cache_evicted_tokens")
+                "cache_hits", "cache_misses", "cache_evicted_tokens", "cache_window_freed_tokens")
 
 log = logging.getLogger("rksc_serve.cluster")
 

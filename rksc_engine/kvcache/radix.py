@@ -21,6 +21,15 @@ Storage and blocks:
     while the request holds it). ``total_bytes`` is the memory the nodes hold, each distinct storage
     counted once in full.
 
+Sliding-window layers (``set_sliding_window``):
+    A query at position ``p`` of a sliding-window layer sees only the keys of the last ``window``
+    positions, so the KV those layers hold for tokens far behind every cached sequence's end is never
+    read again. Under budget pressure, before any leaf block goes, the cache frees it (SGLang's
+    "tombstones"): the part of a node more than ``window + 1`` positions before the node's end (where
+    cached sequences end or part) is split off and keeps only its other layers' KV. A match then counts only up to a length ``m`` whose last ``window`` positions keep
+    every layer (``m`` is cut back otherwise), so a request reusing it never needs the freed part. A
+    later exact prefill that computes freed positions again puts them back when the budget has room.
+
 Invariants:
     * Each node's storage and blocks hold exactly the KV of its own ``token_ids``, positions following
       its parent's.
@@ -52,8 +61,8 @@ import heapq
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,7 +82,9 @@ class RadixNode:
         token_ids: This edge's tokens.
         start: Absolute position of ``token_ids[0]`` in the sequence (the parent path's length).
         storage: KV of ``token_ids``, ``(L, 2, H_kv, num_tokens, D)`` (None for the root); possibly a
-            view into memory it shares with the other parts of a split node.
+            view into memory it shares with the other parts of a split node. After its sliding-window
+            layers' KV was freed, only the other layers', in layer order.
+        window_freed: Whether this node's sliding-window layers' KV was freed (``set_sliding_window``).
         blocks: Views of ``storage`` cut at multiples of the block size, ``(L, 2, H_kv, t, D)`` each.
         branch_score: Score of the reasoning branch this KV belongs to (1.0 unless a search says
             otherwise).
@@ -83,7 +94,7 @@ class RadixNode:
     """
 
     __slots__ = ("children", "parent", "token_ids", "start", "storage", "blocks", "branch_score", "depth",
-                 "lock_ref", "last_access", "node_id")
+                 "lock_ref", "last_access", "node_id", "window_freed")
 
     def __init__(
         self,
@@ -107,11 +118,12 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.node_id = node_id
+        self.window_freed = False
 
     @property
     def kv(self) -> torch.Tensor | None:
-        """This node's KV as one tensor ``(L, 2, H_kv, num_tokens, D)`` (its storage, not a copy), or
-        None for the root."""
+        """This node's KV as one tensor ``(L, 2, H_kv, num_tokens, D)`` (its storage, not a copy; only
+        the layers kept when ``window_freed``), or None for the root."""
         return self.storage
 
     @property
@@ -187,21 +199,49 @@ class PrefixMatch:
         num_tokens: Length of the matched prefix.
         segments: The matched nodes' storage in position order, the last one cut to the match, each
             ``(L, 2, H_kv, t, D)``: the cache's own memory, to read in place while the match is locked
-            (the cache neither copies nor frees it until then).
+            (the cache neither copies nor frees it until then). A segment whose sliding-window layers'
+            KV was freed holds only the layers in ``segment_layers``.
         last_node: Deepest matched node, to ``lock`` while the request uses the prefix.
+        segment_layers: Per segment, None when it holds every layer, else the layers it holds, in
+            order (the rest were freed out of the window). Empty when no segment lost any.
+        num_layers: The model's layers (0 when ``segment_layers`` is empty).
     """
 
     num_tokens: int
     segments: list[torch.Tensor]
     last_node: RadixNode
+    segment_layers: list[tuple[int, ...] | None] = field(default_factory=list)
+    num_layers: int = 0
+
+    def layer_kv(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each segment's keys and values of one layer, ``(H_kv, t, D)`` each, views of the cache's
+        memory. Where that layer's KV was freed out of the window, zeros that take no memory: the match
+        rule keeps every position a request reusing the match can see intact."""
+        layers = self.segment_layers or [None] * len(self.segments)
+        out = []
+        for segment, held in zip(self.segments, layers):
+            if held is None or layer in held:
+                row = layer if held is None else held.index(layer)
+                out.append((segment[row, 0], segment[row, 1]))
+            else:
+                zeros = segment.new_zeros(()).expand(segment.shape[2:])
+                out.append((zeros, zeros))
+        return out
 
     @property
     def kv(self) -> torch.Tensor | None:
         """KV of the matched prefix as one tensor ``(L, 2, H_kv, num_tokens, D)`` (a copy when it spans
-        several nodes), or None when nothing matched."""
+        several nodes or lost out-of-window KV, zeros there), or None when nothing matched."""
         if not self.segments:
             return None
-        return self.segments[0] if len(self.segments) == 1 else torch.cat(self.segments, dim=3)
+        if not any(held is not None for held in self.segment_layers):
+            return self.segments[0] if len(self.segments) == 1 else torch.cat(self.segments, dim=3)
+        per_layer = []
+        for layer in range(self.num_layers):
+            parts = self.layer_kv(layer)
+            per_layer.append(torch.stack((torch.cat([k for k, _ in parts], dim=1),
+                                          torch.cat([v for _, v in parts], dim=1))))
+        return torch.stack(per_layer)
 
 
 @dataclass(frozen=True)
@@ -243,6 +283,11 @@ class PrefixCache(ABC):
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy that owns its storage, so a block's bytes are exactly its own."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _layer_token_bytes(kv: torch.Tensor) -> int:
+    """Bytes one layer's keys and values take per token in ``kv`` ``(L, 2, H_kv, T, D)``."""
+    return kv[:1, :, :, :1].numel() * kv.element_size()
 
 
 def _memory_key(node: RadixNode) -> int:
@@ -296,7 +341,34 @@ class RadixPrefixCache(PrefixCache):
         self.peak_bytes = 0
         self.evicted_tokens = 0
         self.evicted_blocks = 0
+        self.window_freed_tokens = 0  # tokens whose sliding-window layers' KV was freed
+        self.window: int | None = None
+        self.num_layers = 0
+        self.kept_layers: tuple[int, ...] = ()  # the layers a node keeps when its window KV is freed
         self._clock = itertools.count(1)
+
+    def set_sliding_window(self, sliding_layers: Sequence[int], num_layers: int, window: int) -> None:
+        """Tell the cache which layers attend within a sliding ``window``, so that under budget
+        pressure it frees their KV for positions every cached sequence has left behind, and matches
+        only prefixes whose last ``window`` positions keep every layer.
+
+        Args:
+            sliding_layers: Indices of the sliding-window layers, non-empty, each in ``[0, num_layers)``.
+            num_layers: The model's layers (the ``L`` of the KV inserted), >= 1.
+            window: Positions a query sees, itself included, >= 1.
+        """
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        sliding = set(sliding_layers)
+        if not sliding or not all(isinstance(i, int) and 0 <= i < num_layers for i in sliding):
+            raise ValueError(f"sliding_layers must be a non-empty set of layer indices in [0, {num_layers}), "
+                             f"got {sliding_layers!r}")
+        if self.total_tokens:
+            raise RuntimeError("set_sliding_window needs an empty cache")
+        self.window, self.num_layers = window, num_layers
+        self.kept_layers = tuple(i for i in range(num_layers) if i not in sliding)
 
     # -- lookup ---------------------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_tokens: int | None = None) -> PrefixMatch:
@@ -308,16 +380,34 @@ class RadixPrefixCache(PrefixCache):
         path, matched = self._walk(token_ids, split=True, touch=True)
         if max_tokens is not None and matched > max_tokens:
             matched = max_tokens
+        matched = self._window_intact_length(path, matched)
         if matched == 0:
             return PrefixMatch(0, [], self.root)
-        segments, covered = [], 0
+        segments, layers, covered = [], [], 0
         for node in path:
             take = min(node.num_tokens, matched - covered)
             if take <= 0:
                 break
             segments.append(node.storage if take == node.num_tokens else node.storage[:, :, :, :take])
+            layers.append(self.kept_layers if node.window_freed else None)
             covered += take
-        return PrefixMatch(matched, segments, path[-1])
+        if not any(held is not None for held in layers):
+            return PrefixMatch(matched, segments, path[-1])
+        return PrefixMatch(matched, segments, path[-1], layers, self.num_layers)
+
+    def _window_intact_length(self, path: list[RadixNode], length: int) -> int:
+        """The longest prefix, at most ``length`` long, whose positions a query right after it can see
+        through a sliding window all keep every layer's KV."""
+        freed = [node for node in path if node.window_freed]
+        while freed:
+            # One position more than the window the model applies (a query sees ``window`` positions,
+            # itself included), so a match never rests on that convention.
+            low = length - self.window
+            overlapping = [node for node in freed if node.start < length and node.end > low]
+            if not overlapping:
+                break
+            length = min(node.start for node in overlapping)
+        return length
 
     def _walk(self, token_ids: list[int], split: bool, touch: bool) -> tuple[list[RadixNode], int]:
         """The nodes along the longest cached prefix of ``token_ids`` and its length."""
@@ -354,6 +444,7 @@ class RadixPrefixCache(PrefixCache):
         lower_blocks = self._to_blocks(lower_storage, cut)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.window_freed = node.window_freed
         node.parent.children[node.token_ids[0]] = upper
         node.token_ids = node.token_ids[at:]
         node.blocks = lower_blocks
@@ -364,7 +455,7 @@ class RadixPrefixCache(PrefixCache):
 
     # -- insert ---------------------------------------------------------------------------------
     def insert(self, token_ids: list[int], kv: torch.Tensor, *, branch_score: float = 1.0, depth: int = 0,
-               kv_offset: int = 0) -> int:
+               kv_offset: int = 0, computed_from: int | None = None) -> int:
         """Cache the KV of ``token_ids`` (``kv``: ``(L, 2, H_kv, len(token_ids) - kv_offset, D)``, the
         KV of ``token_ids[kv_offset:]``; the first ``kv_offset`` tokens must then be cached already,
         or nothing past the cached part is stored).
@@ -373,6 +464,11 @@ class RadixPrefixCache(PrefixCache):
         before anything is allocated; if the budget cannot hold the whole new part, its longest
         block-aligned leading part that fits is stored. New nodes get ``branch_score`` and ``depth``
         (nodes already cached keep theirs; see ``annotate``).
+
+        ``computed_from``, when given, says that ``kv`` from that position on was computed by the
+        caller, not read from this cache: cached nodes there whose sliding-window KV was freed, and
+        that the window of this sequence's end reaches, get it back from ``kv`` while the budget has
+        room (so a prompt whose match the freed KV cut short is served whole the next time).
 
         Returns:
             The number of newly cached tokens.
@@ -383,6 +479,8 @@ class RadixPrefixCache(PrefixCache):
             raise ValueError(f"kv must be (L, 2, H_kv, {len(token_ids) - kv_offset}, D) for {len(token_ids)} token "
                              f"ids from offset {kv_offset}, got {tuple(kv.shape)}")
         path, matched = self._walk(token_ids, split=True, touch=True)
+        if computed_from is not None and self.window is not None:
+            self._restore_window(path, len(token_ids), kv, max(kv_offset, computed_from) - kv_offset)
         if matched == len(token_ids) or matched < kv_offset:
             return 0
         parent = path[-1] if path else self.root
@@ -413,6 +511,28 @@ class RadixPrefixCache(PrefixCache):
         self.total_tokens += leaf.num_tokens
         self.peak_bytes = max(self.peak_bytes, self.total_bytes)
         return num_new
+
+    def _restore_window(self, path: list[RadixNode], end: int, kv: torch.Tensor, first: int) -> None:
+        """Put back the sliding-window KV of the unlocked nodes on ``path`` that lost it, lie wholly in
+        ``kv[:, :, :, first:]`` (``kv`` starting at position ``kv_start``) and that the window of
+        position ``end`` reaches, while the budget has room."""
+        kv_start = end - kv.shape[3]
+        restored = False
+        for node in path:
+            if (not node.window_freed or node.lock_ref or node.end <= end - self.window
+                    or node.start < kv_start + first):
+                continue
+            # All of the node's layers anew: the memory it held stays while a locked node shares it.
+            added = kv.shape[0] * node.num_tokens * _layer_token_bytes(kv)
+            if self.total_bytes + added > self.budget_bytes:
+                break
+            storage = _own(kv[:, :, :, node.start - kv_start:node.end - kv_start])
+            node.storage, node.blocks, node.window_freed = storage, self._to_blocks(storage, node.start), False
+            self.total_bytes += storage.untyped_storage().nbytes()
+            restored = True
+        if restored:
+            self._compact()
+            self.peak_bytes = max(self.peak_bytes, self.total_bytes)
 
     def _to_blocks(self, storage: torch.Tensor, start: int) -> list[torch.Tensor]:
         """Views of ``storage`` (``(L, 2, H_kv, T, D)`` for positions ``start..start+T``) cut at block
@@ -455,8 +575,17 @@ class RadixPrefixCache(PrefixCache):
         running request reads it, so dropping them would lose KV and free nothing."""
         return self._evict_blocks(num_bytes, keep=None)
 
-    def _evict_blocks(self, num_bytes: int, keep: RadixNode | None) -> list[EvictedBlock]:
-        """``evict_blocks``, never taking ``keep`` (so nothing on the path above it goes either)."""
+    def _evict_blocks(self, num_bytes: int, keep: RadixNode | None, free_window: bool = True
+                      ) -> list[EvictedBlock]:
+        """``evict_blocks``, never taking ``keep`` (so nothing on the path above it goes either).
+        With ``free_window``, sliding-window KV no cached sequence's window reaches goes first
+        (``set_sliding_window``)."""
+        if free_window and self.window is not None and num_bytes > 0:
+            held = self.total_bytes
+            self._free_out_of_window(num_bytes)
+            num_bytes -= held - self.total_bytes
+            if num_bytes <= 0:
+                return []
         pinned = {memory for memory, (_, nodes) in self._memory_groups().items() if _any_locked(nodes)}
 
         def evictable(node: RadixNode) -> bool:
@@ -489,6 +618,38 @@ class RadixPrefixCache(PrefixCache):
         self._compact()
         return evicted
 
+    def _free_out_of_window(self, num_bytes: int) -> None:
+        """Free the sliding-window layers' KV of unlocked positions more than ``window + 1`` before
+        their node's end, in policy order, until about ``num_bytes`` are freed.
+
+        A node's end is where cached sequences end or part (an insert or a match splits a node
+        there), so every such point keeps the window a match ending at it, or a token before it (a
+        repeated prompt, whose last token is always computed), reads; the margin is the match
+        rule's."""
+        pinned = {memory for memory, (_, nodes) in self._memory_groups().items() if _any_locked(nodes)}
+        keep = self.window + 1
+        candidates = [node for node in self._iter_nodes()
+                      if not node.window_freed and node.lock_ref == 0 and node.num_tokens > keep
+                      and _memory_key(node) not in pinned]
+        candidates.sort(key=lambda node: (self.policy.sort_key(node), node.node_id))
+        layer_fraction = 1 - len(self.kept_layers) / self.num_layers
+        freed = 0
+        for node in candidates:
+            if freed >= num_bytes:
+                break
+            node = self._split(node, node.num_tokens - keep)  # the upper part, out of every window
+            try:
+                kept = _own(node.storage[list(self.kept_layers)])
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                break
+            freed += int(node.num_bytes * layer_fraction)
+            node.storage, node.blocks, node.window_freed = kept, self._to_blocks(kept, node.start), True
+            self.window_freed_tokens += node.num_tokens
+        if freed:
+            self._compact()
+
     def _compact(self) -> None:
         """Give the nodes that share memory no node covers any more (what eviction left behind in a
         split node's storage) storage of their own, so the dead bytes are freed; then count
@@ -520,13 +681,15 @@ class RadixPrefixCache(PrefixCache):
         groups: dict[int, tuple[int, list[RadixNode]]] = {}
         for node in self._iter_nodes():
             memory = node.storage.untyped_storage()
+            if memory.nbytes() == 0:
+                continue  # a node of sliding layers only, whose KV was all freed
             groups.setdefault(memory.data_ptr(), (memory.nbytes(), []))[1].append(node)
         return groups
 
     def clear(self) -> None:
         """Drop every node eviction can free (all but the locked ones and those sharing their memory)
         and go back to the configured budget."""
-        self.evict(self.total_bytes + 1)
+        self._evict_blocks(self.total_bytes + 1, keep=None, free_window=False)
         self.restore_budget()
 
     # -- budget -----------------------------------------------------------------------------------
@@ -595,6 +758,7 @@ class RadixPrefixCache(PrefixCache):
         self.peak_bytes = self.total_bytes
         self.evicted_tokens = 0
         self.evicted_blocks = 0
+        self.window_freed_tokens = 0
 
     # -- locking --------------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
@@ -647,6 +811,9 @@ class RadixPrefixCache(PrefixCache):
                 f"{where} has lock_ref {node.lock_ref} below its children's {children_locks}")
             assert node.storage is not None and node.storage.shape[3] == node.num_tokens, (
                 f"{where}: storage does not hold its {node.num_tokens} tokens")
+            if node.window_freed:
+                assert node.storage.shape[0] == len(self.kept_layers), (
+                    f"{where}: freed its window KV but holds {node.storage.shape[0]} layers")
             pos = node.start
             for block in node.blocks:
                 width = block.shape[3]

@@ -102,6 +102,16 @@ class ModelRunner:
         layers keep a state instead."""
         return keeps_token_kv(self.model.config if self._layer_types is None else self._layer_types)
 
+    def sliding_window_layers(self) -> tuple[tuple[int, ...], int, int] | None:
+        """``(the layers that attend within a sliding window, the model's layers, the window)``, or
+        None when no layer does."""
+        types = self._layer_types or []
+        window = getattr(self.text_config, "sliding_window", None)
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+        if not sliding or not isinstance(window, int) or window < 1:
+            return None
+        return sliding, len(types), window
+
     def prefix_cache_refusal(self) -> str:
         """Why the radix cache cannot hold this model's prompts ("" when it can)."""
         return self._prefix_cache_refusal

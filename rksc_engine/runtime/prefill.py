@@ -194,7 +194,7 @@ class Prefiller:
                 yield computed  # outside inference_mode: the caller's code runs between passes
             with torch.inference_mode():
                 if self.cacheable:
-                    self.prefix_cache.insert(token_ids, stack_kv(cache))
+                    self.prefix_cache.insert(token_ids, stack_kv(cache), computed_from=matched)
         finally:
             if node is not None:
                 self.prefix_cache.unlock(node)
@@ -262,7 +262,8 @@ class Prefiller:
         locked), then count each as a ``prefill`` call."""
         if self.cacheable:
             for result in prefilled:
-                self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache))
+                self.prefix_cache.insert(result.prompt_ids, stack_kv(result.cache),
+                                         computed_from=result.num_cached_tokens)
         for result in prefilled:
             self._count_prefill(len(result.prompt_ids) - result.num_cached_tokens, result.num_cached_tokens)
 
@@ -552,7 +553,7 @@ class Prefiller:
         private = match.num_tokens < len(prompt_ids)  # the part the cache had no room for
         per_layer = []
         for index, layer in enumerate(cache.layers):
-            segments = [(seg[index, 0][None], seg[index, 1][None]) for seg in match.segments]  # (1, H_kv, t, D)
+            segments = [(k[None], v[None]) for k, v in match.layer_kv(index)]  # (1, H_kv, t, D)
             if private:
                 segments.append((layer.keys[:, :, match.num_tokens:].clone(),
                                  layer.values[:, :, match.num_tokens:].clone()))

@@ -220,6 +220,7 @@ class Scheduler:
         snapshot.cache_bytes = cache.total_bytes + self.prefiller.snapshot_bytes
         snapshot.cache_tokens = cache.total_tokens
         snapshot.cache_evicted_tokens = cache.evicted_tokens
+        snapshot.cache_window_freed_tokens = cache.window_freed_tokens
         snapshot.cache_peak_bytes = cache.peak_bytes
         snapshot.cache_budget_bytes = cache.budget_bytes
         snapshot.running_requests = self.num_running_requests

@@ -13,9 +13,12 @@ from conftest import CountingHooks, engine_hf_greedy, make_char_tokenizer
 
 from rksc_bench.families import FAMILIES, SLIDING_WINDOW, family, make_family_model
 from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine.config import EngineConfig, RSBCMConfig
+from rksc_engine.kvcache.cache_layers import layer_types
 
 NAMES = [f.name for f in FAMILIES]
 RECURRENT = [f.name for f in FAMILIES if f.recurrent]
+WINDOWED = [f.name for f in FAMILIES if not f.recurrent and "sliding_attention" in layer_types(f.make_config())]
 PROMPT = "System: answer in one line.\nContext: " + "north river stone " * 3 + "\nQ: where?\nA:"
 OTHER_PROMPTS = ["A different and somewhat longer request, to batch with the first one.", "hi"]
 
@@ -108,6 +111,34 @@ def test_concurrent_requests_decode_in_one_forward_where_the_shared_prefix_path_
         # One forward per step for every request's rows (requests are admitted up to a step apart).
         assert decode_forwards <= longest + len(handles) < alone
         assert engine.stats().batched_decode_refusal == ""
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_under_budget_pressure_out_of_window_kv_goes_first_and_the_prompt_is_still_served_whole(name, tokenizer):
+    model = make_family_model(name)
+    params = SamplingParams(max_new_tokens=8)
+    other = "Another request, long enough to leave the window: " + "many more words " * 3
+
+    def cached_bytes(prompt):
+        engine = RKSCEngine(model, tokenizer)
+        engine.generate(prompt, params)
+        return engine.stats().cache_bytes
+
+    # Room for both prompts' KV but a fifth of the first one's, which out-of-window KV covers.
+    budget = cached_bytes(PROMPT) + cached_bytes(other) - cached_bytes(PROMPT) // 5
+    engine = RKSCEngine(model, tokenizer, EngineConfig(rsbcm=RSBCMConfig(cache_budget_mb=budget / 2**20)))
+    wants = [engine_hf_greedy(engine, prompt, 8) for prompt in (PROMPT, other)]
+    assert engine.generate(PROMPT, params).token_ids == wants[0]
+    engine.generate(other, params)
+    # Both again, decoding together: the first reads its freed KV's segments in place.
+    handles = [engine.submit(prompt, 1, params) for prompt in (PROMPT, other)]
+    results = [handle.result()[0] for handle in handles]
+    assert [r.token_ids for r in results] == wants
+    assert results[0].num_cached_tokens == len(engine.encode(PROMPT)) - 1
+    stats = engine.stats()
+    assert stats.cache_window_freed_tokens > 0 and stats.cache_evicted_tokens == 0
+    engine.prefix_cache.check_consistency()
+    assert engine.stats().cache_bytes <= engine.stats().cache_budget_bytes
 
 
 @pytest.mark.parametrize("name", RECURRENT)

@@ -1,0 +1,134 @@
+"""Benchmark: freeing sliding-window KV out of every window (the radix cache's tombstones) against
+evicting it, on the windowed families' tiny seeded configs (``rksc_bench.families``; no weights).
+
+Workload: ``--sessions`` agent sessions, each a distinct long context prompt (``--prompt-tokens``,
+character tokens), asked in turn for ``--rounds`` rounds of ``--max-new-tokens`` greedy tokens,
+under a radix-cache budget that holds ``--budget-prompts`` of the prompts' KV intact. The two
+arms differ only in ``RSBCMConfig.free_out_of_window``. Reported per arm: prompt tokens reused
+after the first round, tokens freed out of the window and evicted, the cache's peak bytes, wall
+time, and whether every completion equals the other arm's (both are exact).
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/window_eviction.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from rksc_bench.families import SLIDING_WINDOW, make_family_model
+from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine.config import EngineConfig, RSBCMConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from families import char_tokenizer  # noqa: E402
+
+DEFAULT_FAMILIES = ("gemma3", "gpt-oss", "gemma2", "cohere2", "mistral-sliding")
+DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "window_eviction.json"
+WORDS = ("river", "stone", "north", "mill", "bridge", "field", "lamp", "crow", "salt", "gate", "moss", "tide")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="*", default=list(DEFAULT_FAMILIES))
+    parser.add_argument("--sessions", type=int, default=8, help="distinct prompts asked in turn (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=400, help="tokens per prompt (default 400)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each prompt is asked (default 3)")
+    parser.add_argument("--budget-prompts", type=float, nargs="*", default=[3.0, 6.0],
+                        help="cache budgets, in prompts whose KV they hold intact (default 3 6)")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    args = parser.parse_args(argv)
+    for name in ("sessions", "prompt_tokens", "rounds", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_tokens <= 2 * SLIDING_WINDOW:
+        parser.error(f"--prompt-tokens must be > {2 * SLIDING_WINDOW}, so that prompts leave the window")
+    if not args.budget_prompts or min(args.budget_prompts) <= 0:
+        parser.error("--budget-prompts must be > 0")
+    return args
+
+
+def session_prompts(sessions: int, prompt_tokens: int) -> list[str]:
+    """Distinct prompts of ``prompt_tokens`` characters, seeded, each starting differently."""
+    rng = random.Random(0)
+    prompts = []
+    for index in range(sessions):
+        text = f"Session {index}. Context: "
+        while len(text) < prompt_tokens:
+            text += rng.choice(WORDS) + " "
+        prompts.append(text[:prompt_tokens - 4] + "\nA:")
+    return prompts
+
+
+def run_arm(model, tokenizer, prompts: list[str], budget_bytes: int, free_out_of_window: bool,
+            args: argparse.Namespace) -> dict:
+    config = EngineConfig(rsbcm=RSBCMConfig(cache_budget_mb=budget_bytes / 2**20,
+                                            free_out_of_window=free_out_of_window))
+    engine = RKSCEngine(model, tokenizer, config)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    completions, reused, later_prompt_tokens = [], 0, 0
+    start = time.perf_counter()
+    for round_index in range(args.rounds):
+        for prompt in prompts:
+            result = engine.generate(prompt, params)
+            completions.append(result.token_ids)
+            if round_index:
+                reused += result.num_cached_tokens
+                later_prompt_tokens += result.num_prompt_tokens
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    engine.prefix_cache.check_consistency()
+    return {"reused_after_first_round": reused, "prompt_tokens_after_first_round": later_prompt_tokens,
+            "reuse_rate": reused / later_prompt_tokens, "window_freed_tokens": stats.cache_window_freed_tokens,
+            "evicted_tokens": stats.cache_evicted_tokens, "peak_bytes": stats.cache_peak_bytes,
+            "budget_bytes": stats.cache_budget_bytes, "seconds": seconds, "completions": completions}
+
+
+def measure(name: str, tokenizer, args: argparse.Namespace) -> list[dict]:
+    model = make_family_model(name)
+    prompts = session_prompts(args.sessions, args.prompt_tokens)
+    probe = RKSCEngine(model, tokenizer)
+    probe.generate(prompts[0], SamplingParams(max_new_tokens=args.max_new_tokens))
+    prompt_bytes = probe.stats().cache_bytes  # one prompt and its completion, every layer kept
+    rows = []
+    for budget_prompts in args.budget_prompts:
+        budget = int(prompt_bytes * budget_prompts)
+        on = run_arm(model, tokenizer, prompts, budget, True, args)
+        off = run_arm(model, tokenizer, prompts, budget, False, args)
+        same = sum(a == b for a, b in zip(on.pop("completions"), off.pop("completions")))
+        rows.append({"family": name, "budget_prompts": budget_prompts, "budget_bytes": budget,
+                     "freed": on, "evicted": off, "same_completions": same,
+                     "requests": args.sessions * args.rounds})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tokenizer = char_tokenizer()
+    rows = []
+    print(f"{args.sessions} sessions x {args.rounds} rounds, {args.prompt_tokens}-token prompts, "
+          f"window {SLIDING_WINDOW}; reuse counts rounds 2 on")
+    print("| family | budget (prompts) | reuse, window KV freed | reuse, evicted (LRU) | tokens freed out of "
+          "window | tokens evicted (freed / evicted arm) | wall s (freed / evicted) | same completions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.families:
+        for row in measure(name, tokenizer, args):
+            rows.append(row)
+            on, off = row["freed"], row["evicted"]
+            print(f"| {name} | {row['budget_prompts']:g} | {on['reuse_rate']:.1%} | {off['reuse_rate']:.1%} | "
+                  f"{on['window_freed_tokens']} | {on['evicted_tokens']} / {off['evicted_tokens']} | "
+                  f"{on['seconds']:.2f} / {off['seconds']:.2f} | {row['same_completions']}/{row['requests']} |",
+                  flush=True)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                        indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
