@@ -9,7 +9,10 @@ about the same length:
 * ``siblings``: one request of ``rows`` branches of one chat turn (the multi-branch workload). Greedy
   siblings decode the same tokens, so the rows' work is the same as the independent arm's;
 * ``one_by_one``: the independent requests again, on the same model with ``packed_prefill`` off, so
-  each prompt is prefilled in a forward of its own.
+  each prompt is prefilled in a forward of its own;
+* ``tails_in_place``: the independent requests again, with ``max_copied_prompt_tail=0``: each
+  request's own prompt tokens are read from the prefix cache in place instead of copied in front
+  of its suffix, so each request makes two attention calls a layer for its own tokens, not one.
 
 For each batch size (``--rows``, default 1,4,8,16,32,64) it reports decode tokens/s of both arms
 and their ratio, measured side by side (arms alternated, prefix cache cleared before each run).
@@ -76,11 +79,11 @@ def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[Requ
 ARMS = {"independent": independent, "siblings": siblings}
 
 
-def curve(engine: RKSCEngine, one_by_one: RKSCEngine, args: argparse.Namespace) -> list[dict]:
-    """The table; ``one_by_one`` is the same model with ``packed_prefill`` off, for a third column:
-    independent requests whose prompts are prefilled one forward each."""
+def curve(engine: RKSCEngine, variants: dict[str, RKSCEngine], args: argparse.Namespace) -> list[dict]:
+    """The table; ``variants`` are the same model under other settings (``one_by_one``,
+    ``tails_in_place``), each running the independent requests for a column of its own."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    runs = [(name, engine, arm) for name, arm in ARMS.items()] + [("one_by_one", one_by_one, independent)]
+    runs = [(name, engine, arm) for name, arm in ARMS.items()] + [(name, v, independent) for name, v in variants.items()]
     table = []
     for rows in args.row_counts:
         walls: dict[str, list[float]] = {name: [] for name, _, _ in runs}
@@ -97,8 +100,11 @@ def curve(engine: RKSCEngine, one_by_one: RKSCEngine, args: argparse.Namespace) 
             row[f"{name}_tokens"] = tokens[name]
         row["ratio"] = row["independent_tok_s"] / row["siblings_tok_s"]
         row["packed_gain"] = row["independent_tok_s"] / row["one_by_one_tok_s"]
+        row["tail_copy_gain"] = row["independent_tok_s"] / row["tails_in_place_tok_s"]
         print(f"| {rows} | {row['independent_tok_s']:.1f} | {row['one_by_one_tok_s']:.1f} | "
-              f"{row['siblings_tok_s']:.1f} | {row['ratio']:.2f} | {row['packed_gain']:.2f}x |", flush=True)
+              f"{row['tails_in_place_tok_s']:.1f} | {row['siblings_tok_s']:.1f} | {row['ratio']:.2f} | "
+              f"{row['tails_in_place_tok_s'] / row['siblings_tok_s']:.2f} | {row['packed_gain']:.2f}x | "
+              f"{row['tail_copy_gain']:.2f}x |", flush=True)
         table.append(row)
     return table
 
@@ -133,13 +139,18 @@ def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engine = RKSCEngine.from_pretrained(args.model)
-    one_by_one = RKSCEngine(engine.model, engine.tokenizer,
-                            EngineConfig(scheduler=SchedulerConfig(packed_prefill=False)))
-    for warm in (engine, one_by_one):
+    variants = {
+        "one_by_one": RKSCEngine(engine.model, engine.tokenizer,
+                                 EngineConfig(scheduler=SchedulerConfig(packed_prefill=False))),
+        "tails_in_place": RKSCEngine(engine.model, engine.tokenizer,
+                                     EngineConfig(scheduler=SchedulerConfig(max_copied_prompt_tail=0))),
+    }
+    for warm in (engine, *variants.values()):
         warm.generate("warm up", SamplingParams(max_new_tokens=4))
-    print("| rows | independent tok/s | independent, prompts prefilled one by one | siblings tok/s | "
-          "independent / siblings | packed prefill gain |\n|---:|---:|---:|---:|---:|---:|")
-    report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, one_by_one, args)}
+    print("| rows | independent tok/s | prompts prefilled one by one | own prompt tokens read in place | "
+          "siblings tok/s | independent / siblings | in place / siblings | packed prefill gain | "
+          "tail copy gain |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, variants, args)}
     if args.profile is not None:
         report["profile"] = profile(engine, args.profile, args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
+# benchmarks/families.py: Python puts a script's own folder on sys.path.
+from families import char_tokenizer
 from rksc_bench.families import SLIDING_WINDOW, make_family_model
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.config import EngineConfig, RSBCMConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import char_tokenizer  # noqa: E402
 
 DEFAULT_FAMILIES = ("gemma3", "gpt-oss", "gemma2", "cohere2", "mistral-sliding")
 DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "window_eviction.json"

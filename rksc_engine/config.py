@@ -369,6 +369,9 @@ class ASKSConfig:
                 raise ValueError(f"asks.{name} must be >= 1, got {value}")
 
 
+DEFAULT_MAX_COPIED_PROMPT_TAIL = 256  # SchedulerConfig.max_copied_prompt_tail
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler batches concurrent requests (``rksc_engine.runtime.scheduler``).
@@ -392,14 +395,25 @@ class SchedulerConfig:
             first token by a decode step, hence off by default. Tokens are the same; the bits may
             differ as with ``packed_prefill``. The first such step is checked against the two done
             apart, and a model that fails it is never mixed again.
+        max_copied_prompt_tail: A prompt read in place from the prefix cache whose last segment (its
+            own tokens, after a prefix other requests share) holds at most this many tokens has that
+            segment copied to the front of each branch's suffix (default 256; 0 never copies). A
+            decode step's cost grows with the attention calls per request and layer, where a
+            step is short (a CPU, a small batch); one buffer for a request's own tokens makes one
+            call of two. Longer tails stay read in place, since a copy costs their KV again per
+            branch. Tokens are the same; the bits may differ as with ``packed_prefill``.
     """
 
     max_batch_rows: int = 64
     max_prefill_tokens: int = 4096
     packed_prefill: bool = True
     mixed_prefill: bool = False
+    max_copied_prompt_tail: int = DEFAULT_MAX_COPIED_PROMPT_TAIL
 
     def __post_init__(self) -> None:
+        check_type("scheduler.max_copied_prompt_tail", self.max_copied_prompt_tail, int)
+        if self.max_copied_prompt_tail < 0:
+            raise ValueError(f"scheduler.max_copied_prompt_tail must be >= 0, got {self.max_copied_prompt_tail}")
         for name in ("max_batch_rows", "max_prefill_tokens"):
             value = getattr(self, name)
             check_type(f"scheduler.{name}", value, int)

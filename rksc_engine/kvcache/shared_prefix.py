@@ -41,6 +41,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ..config import DEFAULT_MAX_COPIED_PROMPT_TAIL
 from .cache_layers import has_sliding_layers, keeps_token_kv, layer_types, new_kv_cache
 from .split_attention import (
     PLAIN_ATTENTION,
@@ -51,6 +52,7 @@ from .split_attention import (
     prefix_rows,
     request_partials,
     rows_to_branches,
+    same_segment_runs,
     segment_attention,
     shared_segments_of,
     sink_block,
@@ -156,10 +158,22 @@ def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeL
         prefix = [segment_attention(prefix_rows(query, num_kv_heads), k, v, scale, fused, query.shape[0])
                   for k, v in group_layer.segments]
         return combine([request_partials(query, prefix, keys, values, scale, fused)], query.shape, query.dtype)
-    per_group = _read_segments_once(query, num_kv_heads, row_ranges, [g.segments for g in layer.group_layers],
-                                    scale, fused, None)
-    partials = [request_partials(query[start:stop], per_group[g], keys, values, scale, fused)
-                for g, ((start, stop), (keys, values)) in enumerate(zip(row_ranges, layer.views))]
+    # Consecutive requests with the same segments (their prompts' shared radix nodes) make one run:
+    # its rows are contiguous, so each segment's partials come out for the whole run at once, in the
+    # layout the merge takes, instead of being cut per request and put back together.
+    runs = same_segment_runs([g.segments for g in layer.group_layers])
+    run_rows = [(row_ranges[first][0], row_ranges[last - 1][1]) for first, last in runs]
+    per_run = _read_segments_once(query, num_kv_heads, run_rows, [layer.group_layers[first].segments
+                                                                  for first, _ in runs], scale, fused, None)
+    partials = []
+    for (first, last), prefix in zip(runs, per_run):
+        suffixes = [request_partials(query[start:stop], [], keys, values, scale, fused)
+                    for (start, stop), (keys, values) in zip(row_ranges[first:last], layer.views[first:last])]
+        if len(suffixes) == 1:
+            partials.append((prefix, suffixes[0][1], suffixes[0][2]))
+        else:
+            partials.append((prefix, torch.cat([out for _, out, _ in suffixes]),
+                             torch.cat([lse for _, _, lse in suffixes])))
     return combine(partials, query.shape, query.dtype)
 
 
@@ -253,7 +267,9 @@ class SharedPrefixLayer(CacheLayerMixin):
     The prefix is a list of segments in position order, each ``(keys, values)`` of shape
     (1, H_kv, P_i, D) and never written: one segment for a prompt held privately, or the prompt's
     radix-cache nodes themselves, read in place. ``keys``/``values`` are the suffix buffers
-    (B, H_kv, capacity, D); only the first ``num_suffix_tokens`` positions hold data.
+    (B, H_kv, capacity, D); only the first ``num_suffix_tokens`` positions hold data. The first
+    ``num_copied_prompt_tokens`` of them may be the prompt's last segment, copied in for every
+    branch (``prompt_tail``); ``segments`` then lists the others, ``prompt_segments`` all of them.
     """
 
     is_sliding = False
@@ -273,7 +289,34 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.values = torch.empty(shape, dtype=first.dtype, device=self.device)
         self.num_suffix_tokens = 0
         self.num_prefix_tokens = sum(k.shape[2] for k, _ in segments)
+        self.prompt_tail: tuple[torch.Tensor, torch.Tensor] | None = None  # the copied segment itself
         self.is_initialized = True
+
+    @property
+    def num_copied_prompt_tokens(self) -> int:
+        """Prompt tokens at the front of every branch's suffix (``prompt_tail``'s), 0 if none."""
+        return 0 if self.prompt_tail is None else self.prompt_tail[0].shape[2]
+
+    @property
+    def prompt_segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole prompt's segments, in position order, the copied tail included."""
+        return self.segments if self.prompt_tail is None else [*self.segments, self.prompt_tail]
+
+    def copy_prompt_tail(self) -> None:
+        """Move the last segment into the front of every branch's suffix (see
+        ``SchedulerConfig.max_copied_prompt_tail`` for why)."""
+        if len(self.segments) < 2 or self.num_suffix_tokens:
+            raise ValueError("only a prompt of two or more segments, before any suffix token, copies its tail")
+        keys, values = self.segments[-1]
+        count = keys.shape[2]
+        if count > self.keys.shape[2]:
+            self._grow(count)
+        self.keys[:, :, :count] = keys
+        self.values[:, :, :count] = values
+        self.segments = self.segments[:-1]
+        self.num_prefix_tokens -= count
+        self.num_suffix_tokens = count
+        self.prompt_tail = (keys, values)
 
     @property
     def prefix_keys(self) -> torch.Tensor:
@@ -342,17 +385,18 @@ class SharedPrefixLayer(CacheLayerMixin):
         """Forget the last ``-tokens_to_remove`` suffix positions (the ``transformers`` >= 5
         convention), so a decode step that ran out of memory half-way can be retried without feeding a
         position twice. The buffers stay allocated; later steps overwrite the forgotten rows. The
-        shared prefix is never cropped."""
+        shared prefix, a copied prompt tail included, is never cropped."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         remove = -tokens_to_remove
-        if remove > self.num_suffix_tokens:
-            raise ValueError(f"cannot crop {remove} tokens from a {self.num_suffix_tokens}-token suffix; "
+        generated = self.num_suffix_tokens - self.num_copied_prompt_tokens
+        if remove > generated:
+            raise ValueError(f"cannot crop {remove} tokens from a {generated}-token suffix; "
                              "the shared prefix is not cropped")
         self.num_suffix_tokens -= remove
 
     def reset(self) -> None:
-        self.num_suffix_tokens = 0
+        self.num_suffix_tokens = self.num_copied_prompt_tokens
 
 
 class SharedPrefixCache(Cache):
@@ -406,13 +450,23 @@ class SharedPrefixCache(Cache):
     def from_segments(
         cls, segments: list[list[tuple[torch.Tensor, torch.Tensor]]], num_branches: int,
         suffix_capacity: int = MIN_SUFFIX_CAPACITY, fused: bool = True,
+        max_copied_tail: int = DEFAULT_MAX_COPIED_PROMPT_TAIL,
     ) -> SharedPrefixCache:
         """A cache whose prefix is read in place from ``segments[layer]`` (each (1, H_kv, P_i, D),
-        in position order), e.g. the prompt's radix-cache nodes."""
-        cache = cls([(segs[0][0], segs[0][1]) for segs in segments], num_branches, suffix_capacity, fused)
+        in position order), e.g. the prompt's radix-cache nodes. When there are two or more and the
+        last holds at most ``max_copied_tail`` tokens, it is copied to the front of every branch's
+        suffix (``SharedPrefixLayer.copy_prompt_tail``). The choice depends on the segments alone,
+        never on ``num_branches`` or the batch, so a branch computes the same alone or among others."""
+        if max_copied_tail < 0:
+            raise ValueError(f"max_copied_tail must be >= 0, got {max_copied_tail}")
+        copy_tail = len(segments[0]) > 1 and segments[0][-1][0].shape[2] <= max_copied_tail
+        tail = segments[0][-1][0].shape[2] if copy_tail else 0
+        cache = cls([(segs[0][0], segs[0][1]) for segs in segments], num_branches, suffix_capacity + tail, fused)
         for layer, segs in zip(cache.layers, segments):
             layer.segments = list(segs)
             layer.num_prefix_tokens = sum(k.shape[2] for k, _ in segs)
+            if copy_tail:
+                layer.copy_prompt_tail()
         return cache
 
     def forward_kwargs(self) -> dict[str, Any]:
@@ -420,9 +474,15 @@ class SharedPrefixCache(Cache):
         return {CACHE_KWARG: self}
 
     def suffix_kv(self, row: int) -> torch.Tensor:
-        """Branch ``row``'s own generated tokens' KV as (L, 2, H_kv, S, D), the radix cache's layout."""
-        return torch.stack([torch.stack((layer.keys[row, :, :layer.num_suffix_tokens],
-                                         layer.values[row, :, :layer.num_suffix_tokens])) for layer in self.layers])
+        """Branch ``row``'s own generated tokens' KV as (L, 2, H_kv, S, D), the radix cache's layout
+        (a copied prompt tail is the prompt's, not the branch's)."""
+        return torch.stack([torch.stack((layer.keys[row, :, layer.num_copied_prompt_tokens:layer.num_suffix_tokens],
+                                         layer.values[row, :, layer.num_copied_prompt_tokens:layer.num_suffix_tokens]))
+                            for layer in self.layers])
+
+    def prompt_segments(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer, the prompt's segments as ``from_segments`` took them (a later wave forks off them)."""
+        return [list(layer.prompt_segments) for layer in self.layers]
 
     def stacked_kv(self, row: int) -> torch.Tensor:
         """Branch ``row``'s whole sequence (prefix + suffix) as (L, 2, H_kv, T, D), the radix cache's layout."""

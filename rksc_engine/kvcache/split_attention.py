@@ -344,6 +344,23 @@ def request_partials(
     return prefix, out_s, lse_s
 
 
+def segment_key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
+    """What makes two segments the same memory: start addresses, shape and strides."""
+    return keys.data_ptr(), tuple(keys.shape), keys.stride(), values.data_ptr()
+
+
+def same_segment_runs(segment_lists: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[int, int]]:
+    """``[first, last)`` index ranges of consecutive entries of ``segment_lists`` that list the same
+    segments (``segment_key``) in the same order."""
+    keys = [tuple(segment_key(k, v) for k, v in segments) for segments in segment_lists]
+    runs, first = [], 0
+    for index in range(1, len(keys) + 1):
+        if index == len(keys) or keys[index] != keys[first]:
+            runs.append((first, index))
+            first = index
+    return runs
+
+
 def shared_segments_of(segment_lists: list[list[tuple[torch.Tensor, torch.Tensor]]]
                      ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]]:
     """Each distinct segment of the requests' ``segment_lists`` with its users ``(request, position
@@ -352,7 +369,7 @@ def shared_segments_of(segment_lists: list[list[tuple[torch.Tensor, torch.Tensor
     found: dict[tuple, tuple[tuple[torch.Tensor, torch.Tensor], list[tuple[int, int]]]] = {}
     for g, segments in enumerate(segment_lists):
         for position, (k, v) in enumerate(segments):
-            key = (k.data_ptr(), tuple(k.shape), k.stride(), v.data_ptr())
+            key = segment_key(k, v)
             entry = found.get(key)
             if entry is None:
                 found[key] = ((k, v), [(g, position)])

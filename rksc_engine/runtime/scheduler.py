@@ -187,7 +187,7 @@ class Scheduler:
             for layer in getattr(request.cache, "layers", ()):
                 # The branches' suffixes, or a DynamicCache's all (a recurrent layer's states instead)
                 tensors = layer_tensors(layer)
-                segments = getattr(layer, "segments", [])
+                segments = getattr(layer, "prompt_segments", [])
                 # Segments read in place from the radix cache are the cache's bytes, not the request's.
                 if request.head.locked_node is None:
                     private = segments
@@ -544,8 +544,7 @@ class Scheduler:
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
-            prompt_kv = ([list(layer.segments) for layer in request.cache.layers] if request.shared
-                         else template)
+            prompt_kv = request.cache.prompt_segments() if request.shared else template
             request.fork = (prompt_kv, prefilled.last_logits.clone())  # a logits processor may edit its input
         request.branches = [Branch(i) for i in range(request.n)]
         for branch in request.branches:
@@ -578,7 +577,8 @@ class Scheduler:
         wave.num_private_segments = owner.num_private_segments
         if isinstance(prompt_kv, list):
             wave.cache = SharedPrefixCache.from_segments(prompt_kv, count,
-                                                         suffix_capacity=initial_suffix_capacity(owner.max_new))
+                                                         suffix_capacity=initial_suffix_capacity(owner.max_new),
+                                                         max_copied_tail=self.config.max_copied_prompt_tail)
         else:
             wave.cache = copy.deepcopy(prompt_kv)
             repeat_rows(wave.cache, count)
@@ -615,7 +615,8 @@ class Scheduler:
             return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
         request.locked_node = in_place.locked_node
         request.num_private_segments = in_place.num_private_segments
-        return SharedPrefixCache.from_segments(in_place.segments, n, suffix_capacity=capacity)
+        return SharedPrefixCache.from_segments(in_place.segments, n, suffix_capacity=capacity,
+                                               max_copied_tail=self.config.max_copied_prompt_tail)
 
     def _preempt(self, request: Request) -> None:
         """Take ``request`` out of the batch and put it first in the queue. Its KV is freed; it starts

@@ -7,7 +7,7 @@ import torch
 from conftest import AttentionModuleStub, batched_attention_step, make_char_tokenizer, make_tiny_model
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
     SharedPrefixCache,
@@ -265,13 +265,172 @@ def test_each_requests_rows_are_bit_identical_alone_and_batched_with_other_reque
     assert torch.equal(batched_attention_step(requests, group), torch.cat(alone))
 
 
+@pytest.fixture
+def one_thread():
+    """PyTorch's fused CPU attention kernel gives a (row, head) pair bits that depend on which thread
+    of the pool computes it (the calling thread and a worker differ by an ULP once a row has about 15
+    keys), and which thread that is depends on the rows around it. A test of the merge's own
+    operations pins one thread; tokens across batches are measured by benchmarks/batch_invariance.py."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_a_branch_is_bit_identical_alone_and_among_its_siblings(seed):
+def test_a_branch_is_bit_identical_alone_and_among_its_siblings(seed, one_thread):
     """Row ``i`` of a request of 8 branches against the same branch decoded as a request of one:
     the prefix segments' merge and the suffix's merge must not depend on how many rows share them
-    (PyTorch's elementwise kernels finish a tensor's tail with scalar code, see VECTOR_ALIGNMENT)."""
+    (PyTorch's elementwise kernels finish a tensor's tail with scalar code, see VECTOR_ALIGNMENT).
+    The request's last segment (30 tokens) is copied into every branch's suffix."""
     (_, (rows, segments, suffix, new, query), _), group = _requests_for_batching(seed)
     together = batched_attention_step([(rows, segments, suffix, new, query)], group)
     for i in range(rows):
         one = (1, segments, tuple(t[i:i + 1] for t in suffix), tuple(t[i:i + 1] for t in new), query[i:i + 1])
         assert torch.equal(batched_attention_step([one], group), together[i:i + 1]), f"branch {i} changed among its siblings"
+
+
+# -- a prompt's short last segment copied into every branch's suffix ------------------------------
+def _two_segments(tail: int, num_kv_heads: int = 2, head_dim: int = 16):
+    gen = torch.Generator().manual_seed(tail)
+    return [(torch.randn(1, num_kv_heads, n, head_dim, generator=gen), torch.randn(1, num_kv_heads, n, head_dim,
+                                                                                     generator=gen))
+            for n in (24, tail)]
+
+
+def test_a_short_last_segment_moves_into_every_branchs_suffix_and_stays_the_prompts():
+    segments = _two_segments(5)
+    cache = SharedPrefixCache.from_segments([segments], 3, suffix_capacity=2)
+    layer = cache.layers[0]
+    assert len(layer.segments) == 1 and layer.num_copied_prompt_tokens == 5
+    assert layer.prompt_segments[1][0] is segments[1][0], "the fork must get the segment itself"
+    assert [s[0] for s in cache.prompt_segments()[0]] == [s[0] for s in segments]
+    assert layer.get_seq_length() == 29 and layer.num_prefix_tokens == 24
+    for row in range(3):
+        assert torch.equal(layer.keys[row, :, :5], segments[1][0][0])
+    new = torch.randn(3, 2, 4, 16)
+    layer.update(new, new)
+    assert layer.get_seq_length() == 33
+    assert cache.suffix_kv(1).shape[3] == 4, "the branch's own tokens only: the copied tail is the prompt's"
+    assert torch.equal(cache.suffix_kv(1)[0, 0], new[1])
+    assert torch.equal(cache.stacked_kv(2)[0, 0], torch.cat([segments[0][0][0], segments[1][0][0], new[2]], dim=1))
+    with pytest.raises(ValueError, match="4-token suffix"):
+        layer.crop(-5)
+    layer.crop(-4)
+    assert layer.get_seq_length() == 29
+    layer.update(new, new)
+    layer.reset()
+    assert layer.num_suffix_tokens == 5
+
+
+@pytest.mark.parametrize("tail,limit,copied", [(5, 4, 0), (5, 5, 5), (5, 0, 0)])
+def test_only_a_tail_within_the_limit_is_copied(tail, limit, copied):
+    cache = SharedPrefixCache.from_segments([_two_segments(tail)], 2, max_copied_tail=limit)
+    assert cache.layers[0].num_copied_prompt_tokens == copied
+    assert len(cache.layers[0].prompt_segments) == 2
+
+
+def test_a_single_segment_is_never_copied_and_a_negative_limit_is_refused():
+    one = _two_segments(5)[:1]
+    assert SharedPrefixCache.from_segments([one], 2).layers[0].num_copied_prompt_tokens == 0
+    with pytest.raises(ValueError, match="max_copied_tail"):
+        SharedPrefixCache.from_segments([one], 2, max_copied_tail=-1)
+
+
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_attention_with_a_copied_tail_equals_eager_attention_over_the_whole_sequence(num_new):
+    segments = _two_segments(7)
+    query = torch.randn(4, 4, num_new, 16)
+    new_k, new_v = torch.randn(4, 2, num_new, 16), torch.randn(4, 2, num_new, 16)
+    cache = SharedPrefixCache.from_segments([segments], 4, suffix_capacity=4)
+    assert cache.layers[0].num_copied_prompt_tokens == 7
+    keys, values = cache.layers[0].update(new_k, new_v)
+    got, _ = shared_prefix_attention(AttentionModuleStub(2), query, keys, values, None, **cache.forward_kwargs())
+    prefix_k = torch.cat([k for k, _ in segments], dim=2)
+    prefix_v = torch.cat([v for _, v in segments], dim=2)
+    want = _eager_over_concatenation(query, prefix_k, prefix_v, new_k, new_v, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _count_tail_copies(monkeypatch) -> list[int]:
+    from rksc_engine.kvcache.shared_prefix import SharedPrefixLayer
+
+    copies: list[int] = []
+    original = SharedPrefixLayer.copy_prompt_tail
+
+    def counting(layer):
+        original(layer)
+        copies.append(layer.num_copied_prompt_tokens)
+
+    monkeypatch.setattr(SharedPrefixLayer, "copy_prompt_tail", counting)
+    return copies
+
+
+def test_a_request_whose_own_tail_is_copied_equals_a_cold_one_in_every_wave(monkeypatch):
+    from test_branch_monitor import Waves
+
+    shared = "System: you are terse.\nContext: " + "abc def " * 10
+    prompt = shared + "Question two?"
+    params = SamplingParams(temperature=0.9, max_new_tokens=16, seed=5)
+    cold = RKSCEngine(make_tiny_model(0), make_char_tokenizer()).generate_branches(prompt, 5, params)
+    copies = _count_tail_copies(monkeypatch)
+    warm = RKSCEngine(make_tiny_model(0), make_char_tokenizer())
+    warm.generate(shared + "Question one?", SamplingParams(max_new_tokens=4))
+    assert not copies, "a cold prompt is one segment: nothing to copy"
+    waved = warm.submit(prompt, 1, params, monitor=Waves(first=1, wave=2, total=5), max_branches=5).result(timeout=120)
+    # Its own node ("two?", after the cached "...Question "), in both layers, for the first wave and the two added.
+    assert copies == [len("two?")] * 2 * 3, "the warm prompt's own node should be copied for every wave"
+    assert [c.token_ids for c in waved] == [c.token_ids for c in cold]
+    assert warm.stats().running_kv_bytes == 0
+    warm.prefix_cache.check_consistency()
+
+
+def test_a_completion_after_a_copied_tail_is_cached_as_the_branchs_own_tokens(monkeypatch):
+    engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer())
+    engine.generate("user: plan the step\n", SamplingParams(max_new_tokens=2))
+    copies = _count_tail_copies(monkeypatch)
+    first_prompt = engine.encode("user: plan the step\nassistant:")
+    first = engine.generate(first_prompt, SamplingParams(max_new_tokens=12))
+    assert copies, "the second prompt's own tail should be copied"
+    next_prompt = first_prompt + list(first.token_ids) + engine.encode("\nuser: go on\nassistant:")
+    served = engine.generate(next_prompt, SamplingParams(max_new_tokens=12))
+    assert served.num_cached_tokens == len(first_prompt) + len(first.token_ids) - 1
+    cold = RKSCEngine(make_tiny_model(0), make_char_tokenizer()).generate(next_prompt, SamplingParams(max_new_tokens=12))
+    assert served.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), ("256", TypeError), (True, TypeError)])
+def test_the_copied_tail_limit_is_a_non_negative_int(value, error):
+    with pytest.raises(error, match="scheduler.max_copied_prompt_tail"):
+        SchedulerConfig(max_copied_prompt_tail=value)
+
+
+def test_a_zero_limit_leaves_every_prompt_segment_in_place(monkeypatch):
+    copies = _count_tail_copies(monkeypatch)
+    config = EngineConfig(scheduler=SchedulerConfig(max_copied_prompt_tail=0))
+    engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(), config)
+    engine.generate("a shared prefix, then one", SamplingParams(max_new_tokens=3))
+    engine.generate("a shared prefix, then two", SamplingParams(max_new_tokens=3))
+    assert engine.stats().prompt_tokens_reused > 0 and not copies
+
+
+def test_consecutive_requests_over_the_same_segments_read_them_as_one_run_with_the_same_bits():
+    from rksc_engine.kvcache.split_attention import same_segment_runs
+
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, head_dim, group = 3, 64, 3
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    shared = [(randn(1, num_kv_heads, 20, head_dim), randn(1, num_kv_heads, 20, head_dim))]
+    other = [(randn(1, num_kv_heads, 9, head_dim), randn(1, num_kv_heads, 9, head_dim))]
+    requests = []
+    for rows, segments in ((2, shared), (1, shared), (3, other), (1, shared)):
+        suffix = (randn(rows, num_kv_heads, 4, head_dim), randn(rows, num_kv_heads, 4, head_dim))
+        new = (randn(rows, num_kv_heads, 1, head_dim), randn(rows, num_kv_heads, 1, head_dim))
+        requests.append((rows, list(segments), suffix, new, randn(rows, num_kv_heads * group, 1, head_dim)))
+    assert same_segment_runs([r[1] for r in requests]) == [(0, 2), (2, 3), (3, 4)]
+    alone = [batched_attention_step([request], group) for request in requests]
+    assert torch.equal(batched_attention_step(requests, group), torch.cat(alone))
+    assert same_segment_runs([shared, [(shared[0][0][:, :, :5], shared[0][1][:, :, :5])]]) == [(0, 1), (1, 2)]
