@@ -229,6 +229,12 @@ class PrefixMatch:
         return out
 
     @property
+    def window_freed(self) -> bool:
+        """Whether some segment lost its sliding-window layers' KV out of the window: such a match is
+        exact for a query right after it, not for one anywhere else (ASKS, chunk reuse)."""
+        return any(held is not None for held in self.segment_layers)
+
+    @property
     def kv(self) -> torch.Tensor | None:
         """KV of the matched prefix as one tensor ``(L, 2, H_kv, num_tokens, D)`` (a copy when it spans
         several nodes or lost out-of-window KV, zeros there), or None when nothing matched."""
@@ -380,7 +386,12 @@ class RadixPrefixCache(PrefixCache):
         path, matched = self._walk(token_ids, split=True, touch=True)
         if max_tokens is not None and matched > max_tokens:
             matched = max_tokens
-        matched = self._window_intact_length(path, matched)
+        intact = self._window_intact_length(path, matched)
+        if intact < matched:
+            # The cut lands on a node's start: the match rests on the nodes before it alone, so only
+            # they are locked (a freed node after it stays free to be restored or evicted).
+            path = [node for node in path if node.start < intact]
+            matched = intact
         if matched == 0:
             return PrefixMatch(0, [], self.root)
         segments, layers, covered = [], [], 0
@@ -519,7 +530,9 @@ class RadixPrefixCache(PrefixCache):
         kv_start = end - kv.shape[3]
         restored = False
         for node in path:
-            if (not node.window_freed or node.lock_ref or node.end <= end - self.window
+            # A prompt of ``end`` tokens is matched up to ``end - 1`` (its last token is always
+            # computed), and that match needs positions from ``end - 1 - window`` on whole.
+            if (not node.window_freed or node.lock_ref or node.end <= end - 1 - self.window
                     or node.start < kv_start + first):
                 continue
             # All of the node's layers anew: the memory it held stays while a locked node shares it.

@@ -320,7 +320,8 @@ class SharedPrefixLayer(CacheLayerMixin):
 
     @property
     def prefix_keys(self) -> torch.Tensor:
-        """The whole prefix's keys (1, H_kv, P, D): the segment itself when there is one, else a copy."""
+        """The prefix's keys (1, H_kv, P, D), a copied prompt tail not included: the segment itself
+        when there is one, else a copy."""
         return self.segments[0][0] if len(self.segments) == 1 else torch.cat([k for k, _ in self.segments], dim=2)
 
     @property

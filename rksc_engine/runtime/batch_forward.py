@@ -38,7 +38,8 @@ def forward_rows(runner: ModelRunner, requests: Sequence[Request]) -> tuple[torc
 
 
 def suffix_lengths(requests: Sequence[Request]) -> list[int]:
-    """Each request's generated tokens held in its cache (every layer holds as many)."""
+    """Each request's suffix length in its cache (every layer holds as many): its generated tokens,
+    after a copied prompt tail if it has one."""
     return [r.cache.layers[0].num_suffix_tokens for r in requests]
 
 

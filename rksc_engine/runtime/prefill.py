@@ -404,7 +404,10 @@ class Prefiller:
                 cached_chunks += computed > 0
         # The first chunk is now a token-exact continuation of the header; whatever the radix cache
         # matches exactly is served exact, and only the chunks after it are reused.
-        exact_tokens = self.prefix_cache.match_prefix(prompt_ids, max_tokens=last).num_tokens
+        exact = self.prefix_cache.match_prefix(prompt_ids, max_tokens=last)
+        if exact.window_freed:  # the chunks' passes read the prefix at every position, not its last window
+            return None
+        exact_tokens = exact.num_tokens
         candidates = [(start, end) for start, end in candidates if start >= exact_tokens]
         count = self.counters.count
         count("prompt_tokens_computed", cached_tokens)
@@ -414,8 +417,10 @@ class Prefiller:
             for start, end in candidates:
                 found = self.prefix_cache.match_prefix(anchor + prompt_ids[start:end])
                 size = found.num_tokens - len(anchor)
-                if size < config.min_reuse_tokens:
-                    continue  # evicted since, or a question segment that does not start with a chunk
+                if size < config.min_reuse_tokens or found.window_freed:
+                    # Evicted since, a question segment that does not start with a chunk, or a chunk
+                    # whose sliding-window KV was freed: it is read at other positions, in full.
+                    continue
                 self.prefix_cache.lock(found.last_node)
                 locked.append(found.last_node)
                 chunks.append(chunk_reuse.ReusedChunk(start, found.kv[:, :, :, len(anchor):], len(anchor)))
@@ -466,7 +471,9 @@ class Prefiller:
             return None
         match = self.prefix_cache.match_prefix(list(alignment.cached_ids))
         needed = alignment.prefix_tokens + alignment.cached_span_tokens + alignment.remainder_tokens
-        if match.num_tokens < needed:
+        # ASKS computes the request's span at the shared prefix's end, whose window may reach KV
+        # freed out of the cached sequence's own window.
+        if match.num_tokens < needed or match.window_freed:
             return None
         self.prefix_cache.lock(match.last_node)
         try:

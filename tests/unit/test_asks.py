@@ -394,3 +394,16 @@ def test_deviation_gate_falls_back_to_the_exact_output(tiny_tokenizer):
     loose = asks_engine(model, tiny_tokenizer, tau=0.0, min_reuse_tokens=16, max_mean_deviation=10.0)
     loose.generate(CACHED, SamplingParams(max_new_tokens=4))
     assert loose.generate(REQUEST, SamplingParams(max_new_tokens=4)).asks.reused
+
+
+def test_asks_reuses_nothing_over_kv_freed_out_of_a_sliding_window(monkeypatch):
+    from rksc_engine.kvcache.radix import PrefixMatch
+
+    model, tokenizer = make_tiny_model(4, num_layers=1), make_char_tokenizer()
+    engine = asks_engine(model, tokenizer, tau=0.0, min_reuse_tokens=16)
+    engine.generate(CACHED, SamplingParams(max_new_tokens=4))
+    # The request's span is computed at the shared prefix's end, whose window may reach freed KV.
+    monkeypatch.setattr(PrefixMatch, "window_freed", property(lambda match: bool(match.segments)))
+    got = engine.generate(REQUEST, SamplingParams(max_new_tokens=20))
+    assert got.asks is None and engine.stats().asks_reuses == 0
+    assert got.token_ids == hf_greedy(model, tokenizer, REQUEST, 20)

@@ -206,3 +206,18 @@ def test_llama_index_llm_sets_retrieved_context_apart_and_reports_the_reuse(mode
     for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
         llm.predict(template, context_str="\n\n".join(CHUNKS[i] for i in order), query_str="what is long?")
     assert engine.stats().chunks_reused >= 3  # every node of the second call but the first was reused
+
+
+def test_no_chunk_is_reused_over_kv_freed_out_of_a_sliding_window(model, tokenizer, monkeypatch):
+    from rksc_engine.kvcache.radix import PrefixMatch
+
+    reuse = chunk_engine(model, tokenizer)
+    params = SamplingParams(max_new_tokens=4)
+    reuse.generate(rag_prompt([0, 1, 2]), params)
+    reuse.reset_stats()
+    # As if every match had lost its sliding layers' KV before its last window: chunks are read at
+    # other positions, where that KV would be seen, so none may be reused.
+    monkeypatch.setattr(PrefixMatch, "window_freed", property(lambda match: bool(match.segments)))
+    completion = reuse.generate(rag_prompt([2, 0, 1], "what is tall?"), params)
+    assert completion.asks is None and reuse.stats().chunks_reused == 0
+    assert completion.token_ids == hf_greedy(model, tokenizer, rag_prompt([2, 0, 1], "what is tall?"), 4)

@@ -139,3 +139,42 @@ def test_bad_window_settings_are_refused_by_name(kwargs, message):
     cache = RadixPrefixCache(1000)
     with pytest.raises(ValueError, match=message):
         cache.set_sliding_window(**kwargs)
+
+
+def test_a_match_cut_by_the_window_locks_only_the_nodes_it_rests_on_and_the_freed_rest_comes_back():
+    head, tail, other = list(range(300, 310)), list(range(400, 430)), list(range(500, 508))
+    cache = make_cache(80)
+    cache.insert(head + tail, kv_for(head + tail))
+    cache.insert(head + other, kv_for(head + other))  # ``head`` is now a node of its own
+    cache.set_budget(40 * BYTES_PER_TOKEN)
+    assert cache.window_freed_tokens > 0
+    cache.restore_budget()
+    turn = head + tail[:20] + [7, 7, 7]
+    match = cache.match_prefix(turn, max_tokens=len(turn) - 1)
+    assert match.num_tokens == len(head) and not match.window_freed
+    assert match.last_node.end == len(head), "the lock must not reach the freed nodes after the cut"
+    cache.lock(match.last_node)  # as a prefill holds it while it inserts what it computed
+    cache.insert(turn, kv_for(turn), computed_from=len(head))
+    cache.unlock(match.last_node)
+    again = cache.match_prefix(turn, max_tokens=len(turn) - 1)
+    assert again.num_tokens == len(turn) - 1 and torch.equal(again.kv, kv_for(turn)[:, :, :, :-1])
+    cache.check_consistency()
+
+
+def test_a_freed_node_ending_just_inside_the_next_prompts_window_is_put_back():
+    cache = make_cache(72)
+    cache.insert(A, kv_for(A))
+    cache.insert(B, kv_for(B))
+    cache.set_budget(48 * BYTES_PER_TOKEN)
+    cache.restore_budget()
+    turn = A[:19] + [7, 7, 7, 7]  # its prompt match (all but the last token) needs [18, 22) whole
+    cache.insert(turn, kv_for(turn), computed_from=0)
+    assert cache.match_prefix(turn, max_tokens=len(turn) - 1).num_tokens == len(turn) - 1
+
+
+def test_a_match_says_whether_it_rests_on_freed_kv():
+    cache = make_cache(48)
+    cache.insert(A, kv_for(A))
+    assert not cache.match_prefix(A).window_freed
+    cache.insert(B, kv_for(B))
+    assert cache.match_prefix(A).window_freed and not cache.match_prefix(B).window_freed
