@@ -82,13 +82,19 @@ def test_locked_kv_is_never_freed():
     cache.check_consistency()
 
 
-def test_an_exact_prefill_puts_freed_kv_back_where_its_window_needs_it():
+def cache_with_a_freed():
+    """A and B cached, A's [0, 27) freed under a lower budget, then the budget back up."""
     cache = make_cache(72)
     cache.insert(A, kv_for(A))
     cache.insert(B, kv_for(B))
     cache.set_budget(48 * BYTES_PER_TOKEN)
     assert cache.window_freed_tokens == 27
     cache.restore_budget()
+    return cache
+
+
+def test_an_exact_prefill_puts_freed_kv_back_where_its_window_needs_it():
+    cache = cache_with_a_freed()
     turn = A[:20] + [7, 7, 7]
     assert cache.match_prefix(turn).num_tokens == 0  # its window reaches freed KV
     cache.insert(turn, kv_for(turn))  # KV read from this cache: nothing is put back
@@ -162,11 +168,7 @@ def test_a_match_cut_by_the_window_locks_only_the_nodes_it_rests_on_and_the_free
 
 
 def test_a_freed_node_ending_just_inside_the_next_prompts_window_is_put_back():
-    cache = make_cache(72)
-    cache.insert(A, kv_for(A))
-    cache.insert(B, kv_for(B))
-    cache.set_budget(48 * BYTES_PER_TOKEN)
-    cache.restore_budget()
+    cache = cache_with_a_freed()
     turn = A[:19] + [7, 7, 7, 7]  # its prompt match (all but the last token) needs [18, 22) whole
     cache.insert(turn, kv_for(turn), computed_from=0)
     assert cache.match_prefix(turn, max_tokens=len(turn) - 1).num_tokens == len(turn) - 1
