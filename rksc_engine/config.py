@@ -370,6 +370,9 @@ class ASKSConfig:
 
 
 DEFAULT_MAX_COPIED_PROMPT_TAIL = 256  # SchedulerConfig.max_copied_prompt_tail
+# The least SchedulerConfig.max_pooled_suffix_tokens other than 0: the pool's padding unit
+# (``kvcache.suffix_pool.SUFFIX_ALIGNMENT``).
+MIN_POOLED_SUFFIX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -402,6 +405,13 @@ class SchedulerConfig:
             step is short (a CPU, a small batch); one buffer for a request's own tokens makes one
             call of two. Longer tails stay read in place, since a copy costs their KV again per
             branch. Tokens are the same; the bits may differ as with ``packed_prefill``.
+        max_pooled_suffix_tokens: Every running request's generated tokens are kept in one buffer
+            per layer (``kvcache.suffix_pool``), so that a step writes all rows' new KV with one copy
+            and attends all rows to their own tokens with one call, instead of one of each per
+            request. A request whose suffix outgrows this many tokens a row moves to buffers of its
+            own, so one long request does not lengthen every row of the pool (default 512; 0 keeps
+            every request's suffix in buffers of its own; else at least 64). Tokens are the same;
+            the bits may differ as with ``packed_prefill`` (with one thread they do not).
     """
 
     max_batch_rows: int = 64
@@ -409,8 +419,13 @@ class SchedulerConfig:
     packed_prefill: bool = True
     mixed_prefill: bool = False
     max_copied_prompt_tail: int = DEFAULT_MAX_COPIED_PROMPT_TAIL
+    max_pooled_suffix_tokens: int = 512
 
     def __post_init__(self) -> None:
+        check_type("scheduler.max_pooled_suffix_tokens", self.max_pooled_suffix_tokens, int)
+        if self.max_pooled_suffix_tokens and self.max_pooled_suffix_tokens < MIN_POOLED_SUFFIX_TOKENS:
+            raise ValueError(f"scheduler.max_pooled_suffix_tokens must be 0 or >= {MIN_POOLED_SUFFIX_TOKENS}, "
+                             f"got {self.max_pooled_suffix_tokens}")
         check_type("scheduler.max_copied_prompt_tail", self.max_copied_prompt_tail, int)
         if self.max_copied_prompt_tail < 0:
             raise ValueError(f"scheduler.max_copied_prompt_tail must be >= 0, got {self.max_copied_prompt_tail}")

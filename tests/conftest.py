@@ -229,16 +229,19 @@ class AttentionModuleStub(torch.nn.Module):
         self.num_key_value_groups = num_key_value_groups
 
 
-def batched_attention_step(requests, group, **attention_kwargs):
+def batched_attention_step(requests, group, pool=None, **attention_kwargs):
     """One decode step's attention for ``requests``, each ``(rows, prefix segments, (suffix keys,
     suffix values), (new keys, new values), query)``, in one ``BatchDecodeCache``; returns the
-    output (B, 1, H, D). ``attention_kwargs`` are what a model passes (``sliding_window``, ...)."""
+    output (B, 1, H, D). With ``pool`` (a ``SuffixPool``), the requests' suffixes are its slots.
+    ``attention_kwargs`` are what a model passes (``sliding_window``, ...)."""
     from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, shared_prefix_attention
 
     caches = []
     for rows, segments, (suffix_k, suffix_v), _, _ in requests:
         cache = SharedPrefixCache.from_segments([list(segments)], rows, suffix_capacity=8)
         cache.layers[0].update(suffix_k, suffix_v)
+        if pool is not None:
+            assert pool.adopt(cache)
         caches.append(cache)
     batch = BatchDecodeCache(caches)
     new_k = torch.cat([new[0] for *_, new, _ in requests])
@@ -248,3 +251,15 @@ def batched_attention_step(requests, group, **attention_kwargs):
     out, _ = shared_prefix_attention(AttentionModuleStub(group), query, keys, values, None,
                                      scaling=query.shape[-1] ** -0.5, **attention_kwargs, **batch.forward_kwargs())
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """PyTorch's fused CPU attention kernel gives a (row, head) pair bits that depend on which thread
+    of the pool computes it (the calling thread and a worker differ by an ULP once a row has about 15
+    keys), and which thread that is depends on the rows around it. A test of the merge's own
+    operations pins one thread; tokens across batches are measured by benchmarks/batch_invariance.py."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

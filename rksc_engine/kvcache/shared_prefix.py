@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ from .split_attention import (
     variant_partials,
     visible_segments,
 )
+from .suffix_pool import SuffixPool, pooled_suffix_attention, suffix_mask
 
 ATTENTION_NAME = "rksc_shared_prefix"
 # The forward keyword that carries the cache down to ``shared_prefix_attention``.
@@ -153,11 +154,11 @@ def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeL
     only widens the linear layers)."""
     if not variant.plain:
         return _variant_batch_attention(query, num_kv_heads, layer, row_ranges, scale, fused, variant)
+    out_s, lse_s = _suffix_partials(query, num_kv_heads, layer, row_ranges, scale, fused)
     if len(layer.group_layers) == 1:  # one request: nothing to share, skip the bookkeeping
-        (keys, values), group_layer = layer.views[0], layer.group_layers[0]
         prefix = [segment_attention(prefix_rows(query, num_kv_heads), k, v, scale, fused, query.shape[0])
-                  for k, v in group_layer.segments]
-        return combine([request_partials(query, prefix, keys, values, scale, fused)], query.shape, query.dtype)
+                  for k, v in layer.group_layers[0].segments]
+        return combine([(prefix, out_s, lse_s)], query.shape, query.dtype)
     # Consecutive requests with the same segments (their prompts' shared radix nodes) make one run:
     # its rows are contiguous, so each segment's partials come out for the whole run at once, in the
     # layout the merge takes, instead of being cut per request and put back together.
@@ -165,16 +166,39 @@ def _batch_attention(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeL
     run_rows = [(row_ranges[first][0], row_ranges[last - 1][1]) for first, last in runs]
     per_run = _read_segments_once(query, num_kv_heads, run_rows, [layer.group_layers[first].segments
                                                                   for first, _ in runs], scale, fused, None)
-    partials = []
-    for (first, last), prefix in zip(runs, per_run):
-        suffixes = [request_partials(query[start:stop], [], keys, values, scale, fused)
-                    for (start, stop), (keys, values) in zip(row_ranges[first:last], layer.views[first:last])]
-        if len(suffixes) == 1:
-            partials.append((prefix, suffixes[0][1], suffixes[0][2]))
-        else:
-            partials.append((prefix, torch.cat([out for _, out, _ in suffixes]),
-                             torch.cat([lse for _, _, lse in suffixes])))
+    partials = [(prefix, out_s[start:stop], lse_s[start:stop]) for (start, stop), prefix in zip(run_rows, per_run)]
     return combine(partials, query.shape, query.dtype)
+
+
+def _suffix_partials(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeLayer,
+                     row_ranges: list[tuple[int, int]], scale: float, fused: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's attention over its own suffix, in batch order: (B, H_kv, G*T, D) and (B, H_kv, G*T).
+    The requests of a pooled run (consecutive slots of one ``SuffixPool``) take one call together;
+    every other request takes one of its own."""
+    batch, num_heads, num_new, head_dim = query.shape
+    runs = {run.first: run for run in layer.pooled_runs} if num_new == 1 else {}
+    pieces = []
+    group = 0
+    while group < len(row_ranges):
+        run = runs.get(group)
+        if run is None:
+            start, stop = row_ranges[group]
+            keys, values = layer.view(group)
+            _, out, lse = request_partials(query[start:stop], [], keys, values, scale, fused)
+            pieces.append((out, lse))
+            group += 1
+            continue
+        start, stop = run.rows
+        q = query[start:stop].reshape(stop - start, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        padded = run.mask.shape[-1]
+        keys = layer.pool_keys[run.slots[0]:run.slots[1], :, :padded]
+        values = layer.pool_values[run.slots[0]:run.slots[1], :, :padded]
+        pieces.append(pooled_suffix_attention(q, keys, values, run.mask, scale, fused))
+        group = run.last
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([out for out, _ in pieces]), torch.cat([lse for _, lse in pieces])
 
 
 def _read_segments_once(query: torch.Tensor, num_kv_heads: int, row_ranges: list[tuple[int, int]],
@@ -207,9 +231,9 @@ def _variant_batch_attention(query: torch.Tensor, num_kv_heads: int, layer: Batc
     visible parts are the same memory (a shared radix node inside both windows) read it once. Each
     row sees the operations of ``variant_partials`` alone."""
     if query.shape[2] != 1:  # several new tokens a row: each request on its own, with its masks
-        partials = [variant_partials(query[start:stop], group_layer.segments, keys, values,
+        partials = [variant_partials(query[start:stop], group_layer.segments, *layer.view(g),
                                       group_layer.num_prefix_tokens, scale, fused, variant)
-                    for (start, stop), (keys, values), group_layer in zip(row_ranges, layer.views, layer.group_layers)]
+                    for g, ((start, stop), group_layer) in enumerate(zip(row_ranges, layer.group_layers))]
         return combine(partials, query.shape, query.dtype)
     visible = []
     for group_layer in layer.group_layers:
@@ -217,7 +241,8 @@ def _variant_batch_attention(query: torch.Tensor, num_kv_heads: int, layer: Batc
         visible.append([(k, v) for k, v, _ in visible_segments(group_layer.segments, first_query, variant.window)])
     per_group = _read_segments_once(query, num_kv_heads, row_ranges, visible, scale, fused, variant.softcap)
     partials = []
-    for g, ((start, stop), (keys, values)) in enumerate(zip(row_ranges, layer.views)):
+    for g, (start, stop) in enumerate(row_ranges):
+        keys, values = layer.view(g)
         rows = query[start:stop]
         blocks = [] if variant.sinks is None else [sink_block(rows, num_kv_heads, variant.sinks)]
         blocks += per_group[g]
@@ -290,6 +315,10 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.num_suffix_tokens = 0
         self.num_prefix_tokens = sum(k.shape[2] for k, _ in segments)
         self.prompt_tail: tuple[torch.Tensor, torch.Tensor] | None = None  # the copied segment itself
+        # Set while the suffix buffers are views of a ``SuffixPool``'s slots: called with the
+        # positions a write needs, it makes the room (the pool grows, or gives the cache buffers of
+        # its own), so the layer never reallocates its views itself.
+        self.on_grow: Callable[[int], None] | None = None
         self.is_initialized = True
 
     @property
@@ -335,6 +364,10 @@ class SharedPrefixLayer(CacheLayerMixin):
     def _grow(self, needed: int) -> None:
         """Reallocate both suffix buffers with at least ``needed`` positions, or neither: out of memory
         for the second one, keys and values keep their old, equal capacity, and a retry writes both."""
+        if self.on_grow is not None:
+            self.on_grow(needed)
+            if self.keys.shape[2] >= needed:
+                return
         capacity = self.keys.shape[2]
         while capacity < needed:
             capacity *= 2
@@ -428,6 +461,9 @@ class SharedPrefixCache(Cache):
         super().__init__(layers=layers)
         self.fused = fused
         self.num_attention_calls = 0  # how often shared_prefix_attention ran; `probe` checks it
+        # Set by a ``SuffixPool`` that holds this cache's suffix rows, from slot ``pool_slot`` on.
+        self.suffix_pool: SuffixPool | None = None
+        self.pool_slot: int | None = None
 
     @staticmethod
     def can_share(cache: Any) -> bool:
@@ -505,11 +541,15 @@ class BatchDecodeLayer(CacheLayerMixin):
 
     def __init__(self, group_layers: list[SharedPrefixLayer], row_ranges: list[tuple[int, int]],
                  prompt_prefixes: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
-                 prompt_spans: list[tuple[int, int]] | None = None) -> None:
+                 prompt_spans: list[tuple[int, int]] | None = None,
+                 pooled_rows: Callable[[], PooledRows | None] | None = None, layer_index: int = 0) -> None:
         super().__init__()
         self.group_layers = group_layers
         self.row_ranges = row_ranges
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group, its suffixes after the update
+        # Per group, its suffixes after the update (None for a pooled group: ``view`` slices it).
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.pooled_rows = pooled_rows
+        self.layer_index = layer_index
         # Prompts prefilled in the same forward: each one's cached prefix (1, H_kv, P, D) or None,
         # its tokens' span in the flattened row, and, after the update, its new KV (1, H_kv, T, D).
         self.prompt_prefixes = prompt_prefixes or []
@@ -522,11 +562,37 @@ class BatchDecodeLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
+    @property
+    def pooled(self) -> PooledRows | None:
+        return self.pooled_rows() if self.pooled_rows is not None else None
+
+    @property
+    def pooled_runs(self) -> list[PooledRun]:
+        pooled = self.pooled
+        return pooled.runs if pooled is not None else []
+
+    @property
+    def pool_keys(self) -> torch.Tensor:
+        return self.pooled.pool.keys[self.layer_index]
+
+    @property
+    def pool_values(self) -> torch.Tensor:
+        return self.pooled.pool.values[self.layer_index]
+
+    def view(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``group``'s suffixes (B_g, H_kv, S, D) after the update."""
+        view = self.views[group]
+        if view is None:
+            layer = self.group_layers[group]
+            view = layer.keys[:, :, :layer.num_suffix_tokens], layer.values[:, :, :layer.num_suffix_tokens]
+        return view
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each request's rows of the new KV (B, H_kv, T, D) into its own layer; the attention
         function reads the per-request suffixes from ``views``, so the new KV itself is returned.
+        The rows of pooled requests are written with one indexed copy into the pool.
 
         Out of memory part-way (a request's buffer failing to grow), the requests before it have
         their new positions and the rest do not; ``crop`` undoes exactly that."""
@@ -537,9 +603,19 @@ class BatchDecodeLayer(CacheLayerMixin):
             rows = self.row_ranges[-1][1]
             key_states = key_states[:, :, :rows].transpose(0, 2)  # (B, H_kv, 1, D)
             value_states = value_states[:, :, :rows].transpose(0, 2)
+        pooled = self.pooled if key_states.shape[2] == 1 else None
+        if pooled is not None:
+            new_keys, new_values = key_states[:, :, 0], value_states[:, :, 0]  # (B, H_kv, D)
+            if pooled.row_index is not None:
+                new_keys, new_values = new_keys[pooled.row_index], new_values[pooled.row_index]
+            self.pool_keys[pooled.slot_index, :, pooled.position_index] = new_keys
+            self.pool_values[pooled.slot_index, :, pooled.position_index] = new_values
+            for group in pooled.groups:
+                self.group_layers[group].num_suffix_tokens += 1
+        in_pool = pooled.groups if pooled is not None else frozenset()
         self.views = [
-            layer.update(key_states[start:stop], value_states[start:stop])
-            for layer, (start, stop) in zip(self.group_layers, self.row_ranges)
+            None if group in in_pool else layer.update(key_states[start:stop], value_states[start:stop])
+            for group, (layer, (start, stop)) in enumerate(zip(self.group_layers, self.row_ranges))
         ]
         return key_states, value_states
 
@@ -579,6 +655,72 @@ class BatchDecodeLayer(CacheLayerMixin):
     def reset(self) -> None:
         for layer in self.group_layers:
             layer.reset()
+
+
+@dataclass(frozen=True)
+class PooledRun:
+    """Consecutive requests of a batch, ``[first, last)``, whose rows are consecutive slots of a
+    ``SuffixPool``: their suffixes are one padded tensor, read with one call and ``mask``."""
+
+    first: int
+    last: int
+    rows: tuple[int, int]  # their rows in the batch
+    slots: tuple[int, int]  # their slots in the pool
+    mask: torch.Tensor  # (R, 1, 1, L), each row's keys after this step's token
+
+
+@dataclass(frozen=True)
+class PooledRows:
+    """Where a decode step writes and reads the rows of its pooled requests (one new token each)."""
+
+    pool: SuffixPool
+    runs: list[PooledRun]
+    groups: frozenset[int]  # the pooled requests' indices in the batch
+    slot_index: torch.Tensor  # (P,) each pooled row's slot, in batch order
+    position_index: torch.Tensor  # (P,) the position its new token goes to
+    row_index: torch.Tensor | None  # (P,) its row in the batch; None when every row is pooled
+
+    @classmethod
+    def of(cls, caches: list[SharedPrefixCache], row_ranges: list[tuple[int, int]]) -> PooledRows | None:
+        """The pooled rows of a batch of ``caches``, room made for one more token each (the pool
+        grows, or a request past its limit leaves it). None when no request is pooled."""
+        pools = {id(c.suffix_pool): c.suffix_pool for c in caches if c.suffix_pool is not None}
+        if not pools:
+            return None
+        pool = next(iter(pools.values()))  # a scheduler has one pool
+        for cache in caches:
+            if cache.suffix_pool is pool:
+                pool.make_room(cache, cache.layers[0].num_suffix_tokens + 1)
+        runs: list[list] = []  # [first, last, slot_start, slot_stop]
+        for group, cache in enumerate(caches):
+            if cache.suffix_pool is not pool:
+                continue
+            slot, rows = cache.pool_slot, row_ranges[group][1] - row_ranges[group][0]
+            if runs and runs[-1][1] == group and runs[-1][3] == slot:
+                runs[-1][1], runs[-1][3] = group + 1, slot + rows
+            else:
+                runs.append([group, group + 1, slot, slot + rows])
+        if not runs:  # the only pooled requests outgrew the pool
+            return None
+        device = pool.keys[0].device
+        built, slots, positions, batch_rows, groups = [], [], [], [], set()
+        for first, last, slot_start, slot_stop in runs:
+            lengths = []
+            for group in range(first, last):
+                length = caches[group].layers[0].num_suffix_tokens
+                count = row_ranges[group][1] - row_ranges[group][0]
+                lengths += [length + 1] * count
+                positions += [length] * count
+                groups.add(group)
+            rows = (row_ranges[first][0], row_ranges[last - 1][1])
+            built.append(PooledRun(first, last, rows, (slot_start, slot_stop),
+                                   suffix_mask(lengths, device, pool.keys[0].dtype)))
+            slots += range(slot_start, slot_stop)
+            batch_rows += range(*rows)
+        every_row = batch_rows == list(range(row_ranges[-1][1]))
+        return cls(pool, built, frozenset(groups), torch.tensor(slots, device=device),
+                   torch.tensor(positions, device=device),
+                   None if every_row else torch.tensor(batch_rows, device=device))
 
 
 class BatchDecodeCache(Cache):
@@ -623,11 +765,21 @@ class BatchDecodeCache(Cache):
             start += num_new
         layers = [BatchDecodeLayer([c.layers[i] for c in caches], self.row_ranges,
                                    [prefix[i] if prefix is not None else None for prefix, _ in prompts],
-                                   self.prompt_spans)
+                                   self.prompt_spans, self.pooled_rows, i)
                   for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
+        self._pooled: PooledRows | None = None
+        self._pooled_known = False
         self.fused = fused
         self.num_attention_calls = 0
+
+    def pooled_rows(self) -> PooledRows | None:
+        """The pooled requests' rows (``PooledRows.of``), worked out when the forward first needs
+        them: making their room may run out of memory, and inside the forward that is retried."""
+        if not self._pooled_known:
+            self._pooled = PooledRows.of(self.caches, self.row_ranges)
+            self._pooled_known = True
+        return self._pooled
 
     def position_ids(self, device: torch.device, prompt_starts: list[int] | None = None) -> torch.Tensor:
         """(B, 1) absolute position of each row's next token; with prompts, (1, B + prompt tokens),

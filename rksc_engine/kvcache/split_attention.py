@@ -61,14 +61,18 @@ EMPTY_LSE = -1e30
 
 
 def fused_cpu_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The same as ``partial_attention`` without a mask, through PyTorch's fused CPU flash kernel
-    (the one SDPA uses), which also returns the log-sum-exp. ``None`` where it is unavailable."""
+    """The same as ``partial_attention``, through PyTorch's fused CPU flash kernel (the one SDPA
+    uses), which also returns the log-sum-exp. ``mask``, if given, is additive (0 or -inf) and
+    broadcasts to the scores. ``None`` where the kernel is unavailable."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if op is None or query.device.type != "cpu" or query.dim() != 4:
         return None
-    output, lse = op(query, keys, values, 0.0, False, scale=scale)
+    if mask is None:
+        output, lse = op(query, keys, values, 0.0, False, scale=scale)
+    else:
+        output, lse = op(query, keys, values, 0.0, False, attn_mask=mask, scale=scale)
     return output.float(), lse.float()
 
 

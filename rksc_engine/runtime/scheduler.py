@@ -44,6 +44,7 @@ from ..kvcache.cache_layers import layer_tensors, repeat_rows, select_rows
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
 from ..kvcache.prefix_match import common_prefix_length
 from ..kvcache.shared_prefix import SharedPrefixCache, initial_suffix_capacity
+from ..kvcache.suffix_pool import SuffixPool
 from ..results import BranchEvent, EngineStats
 from .batch_forward import forward_rows, forward_rows_and_prompts
 from .branch_output import append_token, completion, emit
@@ -119,6 +120,8 @@ class Scheduler:
         self._pack_in_flight: list[Request] = []
         self._mixes_prompts = True  # False once a mixed step failed its check or any non-OOM failure
         self._mixed_checked = False
+        # The running requests' generated tokens, in slots of one buffer per layer.
+        self.suffix_pool = SuffixPool(config.max_pooled_suffix_tokens) if config.max_pooled_suffix_tokens else None
 
     # -- submission -----------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], n: int, params: SamplingParams, *, stream: bool,
@@ -541,6 +544,7 @@ class Scheduler:
         template = copy.deepcopy(prefilled.cache) if forks and plain else None
         request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
                                            request=request if prefilled.exact else None)
+        self._pool(request.cache)
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
@@ -577,8 +581,9 @@ class Scheduler:
         wave.num_private_segments = owner.num_private_segments
         if isinstance(prompt_kv, list):
             wave.cache = SharedPrefixCache.from_segments(prompt_kv, count,
-                                                         suffix_capacity=initial_suffix_capacity(owner.max_new),
+                                                         suffix_capacity=self._suffix_capacity(owner.max_new),
                                                          max_copied_tail=self.config.max_copied_prompt_tail)
+            self._pool(wave.cache)
         else:
             wave.cache = copy.deepcopy(prompt_kv)
             repeat_rows(wave.cache, count)
@@ -609,7 +614,7 @@ class Scheduler:
         if not (shared_prefix and SharedPrefixCache.can_share(cache)):
             repeat_rows(cache, n)
             return cache
-        capacity = initial_suffix_capacity(max_new)
+        capacity = self._suffix_capacity(max_new)
         in_place = self.prefiller.read_in_place(request.prompt_ids, cache) if request is not None else None
         if in_place is None:
             return SharedPrefixCache.from_dynamic_cache(cache, n, suffix_capacity=capacity)
@@ -617,6 +622,27 @@ class Scheduler:
         request.num_private_segments = in_place.num_private_segments
         return SharedPrefixCache.from_segments(in_place.segments, n, suffix_capacity=capacity,
                                                max_copied_tail=self.config.max_copied_prompt_tail)
+
+    def _suffix_capacity(self, max_new: int) -> int:
+        """Suffix positions a new cache's own buffers start with: few when the pool will take its
+        rows (its buffers are then dropped), else the request's budget (up to a bound)."""
+        return 1 if self.suffix_pool is not None else initial_suffix_capacity(max_new)
+
+    def _pool(self, cache: Any) -> None:
+        """Move a new decode cache's suffix rows into the pool; out of memory, they stay where they are."""
+        if self.suffix_pool is None or not isinstance(cache, SharedPrefixCache):
+            return
+        try:
+            self.suffix_pool.adopt(cache)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+
+    def _drop_cache(self, request: Request) -> None:
+        """Let go of ``request``'s decode cache, its pool slots with it."""
+        if self.suffix_pool is not None and request.cache is not None:
+            self.suffix_pool.release(request.cache)
+        request.cache = None
 
     def _preempt(self, request: Request) -> None:
         """Take ``request`` out of the batch and put it first in the queue. Its KV is freed; it starts
@@ -638,7 +664,7 @@ class Scheduler:
         if request.prefill is not None:  # mid-prefill: closing it unlocks the prefix it matched
             request.prefill.close()
             request.prefill = None
-        request.cache = None
+        self._drop_cache(request)
         request.active = []
         if request.owner is not None:
             return
@@ -831,7 +857,7 @@ class Scheduler:
         head = request.head
         head.live_members -= 1
         if request is not head or head.live_members > 0:
-            request.cache = None  # the prompt lives on in the owner's fork for the other waves
+            self._drop_cache(request)  # the prompt lives on in the owner's fork for the other waves
         if head.live_members > 0:
             return
         self._finish(head)

@@ -12,7 +12,7 @@ from conftest import make_char_tokenizer, make_tiny_model, radix_kv
 import rksc_engine.kvcache.radix as prefix_cache
 import rksc_engine.kvcache.shared_prefix as shared_prefix
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.config import RSBCMConfig
+from rksc_engine.config import RSBCMConfig, SchedulerConfig
 from rksc_engine.kvcache.memory import run_with_oom_retry
 from rksc_engine.kvcache.radix import RadixPrefixCache
 from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, SharedPrefixLayer
@@ -148,8 +148,10 @@ def test_out_of_memory_while_dropping_finished_branches_leaves_both_buffers_as_t
 def test_concurrent_requests_whose_suffix_cannot_grow_are_retried_to_the_tokens_they_get_without_the_fault(
         monkeypatch, nth):
     monkeypatch.setattr(shared_prefix, "MAX_INITIAL_SUFFIX_CAPACITY", 2)  # the third decode step grows
+    # Each request's suffix in buffers of its own (the pool's growth is tested below).
     engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(),
-                        EngineConfig(decode_attention="shared_prefix", rsbcm=RSBCMConfig(oom_backoff_s=0.0)))
+                        EngineConfig(decode_attention="shared_prefix", rsbcm=RSBCMConfig(oom_backoff_s=0.0),
+                                     scheduler=SchedulerConfig(max_pooled_suffix_tokens=0)))
     params = SamplingParams(max_new_tokens=8)
     prompts = ["The quick brown fox jumps over", "Q: what is 2+3?\nA:"]
     want = [[c.token_ids for c in engine.generate_branches(p, 2, params)] for p in prompts]

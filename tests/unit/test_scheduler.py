@@ -12,6 +12,7 @@ from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
+from rksc_engine.kvcache.suffix_pool import SUFFIX_ALIGNMENT
 from rksc_engine.runtime.handle import RequestCancelled
 
 PROMPTS = MIXED_LENGTH_PROMPTS
@@ -244,7 +245,7 @@ def test_out_of_memory_in_a_shared_decode_step_preempts_the_newest_request_which
 
 def test_concurrent_requests_read_a_shared_cached_prompt_prefix_in_place_instead_of_copying_it():
     engine = engine_for(0)
-    prefix = "A long shared few-shot prefix, the same for every request. " * 3
+    prefix = "A long shared few-shot prefix, the same for every request. " * 7
     params = SamplingParams(temperature=0.8, max_new_tokens=6, seed=0)
     engine.generate(prefix + "warm", SamplingParams(max_new_tokens=1))  # the prefix is cached now
     engine.reset_stats()
@@ -255,7 +256,11 @@ def test_concurrent_requests_read_a_shared_cached_prompt_prefix_in_place_instead
     prompt_bytes = len(engine.encode(prefix)) * engine.kv_bytes_per_token
     stats = engine.stats()
     assert stats.peak_batch_rows == 8
-    assert stats.peak_running_kv_bytes < prompt_bytes, "running requests hold copies of the cached prefix"
+    # The rows' own tokens only: the suffix pool's slots, one aligned capacity each. A copy of the
+    # prefix per request would be four prefixes.
+    suffix_bytes = 8 * SUFFIX_ALIGNMENT * engine.kv_bytes_per_token
+    assert suffix_bytes < 4 * prompt_bytes
+    assert stats.peak_running_kv_bytes <= suffix_bytes, "running requests hold copies of the cached prefix"
     engine.prefix_cache.check_consistency()
     assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes()), "a finished request kept its lock"
 

@@ -265,18 +265,6 @@ def test_each_requests_rows_are_bit_identical_alone_and_batched_with_other_reque
     assert torch.equal(batched_attention_step(requests, group), torch.cat(alone))
 
 
-@pytest.fixture
-def one_thread():
-    """PyTorch's fused CPU attention kernel gives a (row, head) pair bits that depend on which thread
-    of the pool computes it (the calling thread and a worker differ by an ULP once a row has about 15
-    keys), and which thread that is depends on the rows around it. A test of the merge's own
-    operations pins one thread; tokens across batches are measured by benchmarks/batch_invariance.py."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_a_branch_is_bit_identical_alone_and_among_its_siblings(seed, one_thread):
     """Row ``i`` of a request of 8 branches against the same branch decoded as a request of one:
