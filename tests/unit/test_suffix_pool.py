@@ -14,6 +14,7 @@ from conftest import (
 )
 
 import rksc_engine.kvcache.shared_prefix as shared_prefix
+import rksc_engine.kvcache.split_attention as split_attention
 import rksc_engine.kvcache.suffix_pool as suffix_pool
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.config import RSBCMConfig
@@ -292,3 +293,21 @@ def test_the_padding_is_a_multiple_of_the_alignment():
     mask = suffix_pool.suffix_mask([1, 64, 65], torch.device("cpu"))
     assert mask.shape == (3, 1, 1, 2 * SUFFIX_ALIGNMENT)
     assert [int(torch.isfinite(row).sum()) for row in mask[:, 0, 0]] == [1, 64, 65]
+
+
+def test_the_unfused_pooled_call_equals_the_fused_one():
+    """Off the CPU kernel (another device, or ``fused=False``) the pooled call masks the padding itself."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 30, 64, 65]
+    mask = suffix_pool.suffix_mask(lengths, torch.device("cpu"))
+    padded = mask.shape[-1]
+    query = randn(gen, 4, NUM_KV_HEADS, GROUP, HEAD_DIM)
+    keys, values = randn(gen, 4, NUM_KV_HEADS, padded, HEAD_DIM), randn(gen, 4, NUM_KV_HEADS, padded, HEAD_DIM)
+    fused = suffix_pool.pooled_suffix_attention(query, keys, values, mask, HEAD_DIM ** -0.5, True)
+    unfused = suffix_pool.pooled_suffix_attention(query, keys, values, mask, HEAD_DIM ** -0.5, False)
+    torch.testing.assert_close(unfused, fused, rtol=1e-5, atol=1e-6)
+    for row, length in enumerate(lengths):  # each row against its own keys only, unpadded
+        out, lse = split_attention.partial_attention(query[row:row + 1], keys[row:row + 1, :, :length],
+                                                     values[row:row + 1, :, :length], HEAD_DIM ** -0.5)
+        torch.testing.assert_close(fused[0][row:row + 1], out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused[1][row:row + 1], lse, rtol=1e-5, atol=1e-6)
