@@ -398,13 +398,14 @@ class SchedulerConfig:
             first token by a decode step, hence off by default. Tokens are the same; the bits may
             differ as with ``packed_prefill``. The first such step is checked against the two done
             apart, and a model that fails it is never mixed again.
-        max_copied_prompt_tail: A prompt read in place from the prefix cache whose last segment (its
-            own tokens, after a prefix other requests share) holds at most this many tokens has that
-            segment copied to the front of each branch's suffix (default 256; 0 never copies). A
-            decode step's cost grows with the attention calls per request and layer, where a
-            step is short (a CPU, a small batch); one buffer for a request's own tokens makes one
-            call of two. Longer tails stay read in place, since a copy costs their KV again per
-            branch. Tokens are the same; the bits may differ as with ``packed_prefill``.
+        max_copied_prompt_tail: A prompt read in place from the prefix cache has its last segments
+            (its own tokens, and short nodes a few other prompts share, after the prefix many
+            share) copied to the front of each branch's suffix, as many as hold at most this many
+            tokens together; the first segment always stays in place (default 256; 0 never
+            copies). A decode step's cost grows with the attention calls per request and layer,
+            where a step is short (a CPU, a small batch); a request's own tokens in its suffix cost
+            no call of their own. Longer tails stay read in place, since a copy costs their KV
+            again per branch. Tokens are the same; the bits may differ as with ``packed_prefill``.
         max_pooled_suffix_tokens: Every running request's generated tokens are kept in one buffer
             per layer (``kvcache.suffix_pool``), so that a step writes all rows' new KV with one copy
             and attends all rows to their own tokens with one call, instead of one of each per

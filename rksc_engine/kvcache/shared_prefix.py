@@ -293,7 +293,7 @@ class SharedPrefixLayer(CacheLayerMixin):
     (1, H_kv, P_i, D) and never written: one segment for a prompt held privately, or the prompt's
     radix-cache nodes themselves, read in place. ``keys``/``values`` are the suffix buffers
     (B, H_kv, capacity, D); only the first ``num_suffix_tokens`` positions hold data. The first
-    ``num_copied_prompt_tokens`` of them may be the prompt's last segment, copied in for every
+    ``num_copied_prompt_tokens`` of them may be the prompt's last segments, copied in for every
     branch (``prompt_tail``); ``segments`` then lists the others, ``prompt_segments`` all of them.
     """
 
@@ -314,7 +314,7 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.values = torch.empty(shape, dtype=first.dtype, device=self.device)
         self.num_suffix_tokens = 0
         self.num_prefix_tokens = sum(k.shape[2] for k, _ in segments)
-        self.prompt_tail: tuple[torch.Tensor, torch.Tensor] | None = None  # the copied segment itself
+        self.prompt_tail: list[tuple[torch.Tensor, torch.Tensor]] = []  # the copied segments themselves
         # Set while the suffix buffers are views of a ``SuffixPool``'s slots: called with the
         # positions a write needs, it makes the room (the pool grows, or gives the cache buffers of
         # its own), so the layer never reallocates its views itself.
@@ -324,28 +324,32 @@ class SharedPrefixLayer(CacheLayerMixin):
     @property
     def num_copied_prompt_tokens(self) -> int:
         """Prompt tokens at the front of every branch's suffix (``prompt_tail``'s), 0 if none."""
-        return 0 if self.prompt_tail is None else self.prompt_tail[0].shape[2]
+        return sum(keys.shape[2] for keys, _ in self.prompt_tail)
 
     @property
     def prompt_segments(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The whole prompt's segments, in position order, the copied tail included."""
-        return self.segments if self.prompt_tail is None else [*self.segments, self.prompt_tail]
+        return [*self.segments, *self.prompt_tail] if self.prompt_tail else self.segments
 
-    def copy_prompt_tail(self) -> None:
-        """Move the last segment into the front of every branch's suffix (see
-        ``SchedulerConfig.max_copied_prompt_tail`` for why)."""
-        if len(self.segments) < 2 or self.num_suffix_tokens:
-            raise ValueError("only a prompt of two or more segments, before any suffix token, copies its tail")
-        keys, values = self.segments[-1]
-        count = keys.shape[2]
+    def copy_prompt_tail(self, num_segments: int = 1) -> None:
+        """Move the last ``num_segments`` segments into the front of every branch's suffix (see
+        ``SchedulerConfig.max_copied_prompt_tail`` for why); at least one stays in place."""
+        if not 1 <= num_segments < len(self.segments) or self.num_suffix_tokens:
+            raise ValueError("a prompt copies 1 to all but one of its segments, before any suffix token")
+        tail = self.segments[-num_segments:]
+        count = sum(keys.shape[2] for keys, _ in tail)
         if count > self.keys.shape[2]:
             self._grow(count)
-        self.keys[:, :, :count] = keys
-        self.values[:, :, :count] = values
-        self.segments = self.segments[:-1]
+        start = 0
+        for keys, values in tail:
+            stop = start + keys.shape[2]
+            self.keys[:, :, start:stop] = keys
+            self.values[:, :, start:stop] = values
+            start = stop
+        self.segments = self.segments[:-num_segments]
         self.num_prefix_tokens -= count
         self.num_suffix_tokens = count
-        self.prompt_tail = (keys, values)
+        self.prompt_tail = list(tail)
 
     @property
     def prefix_keys(self) -> torch.Tensor:
@@ -490,20 +494,25 @@ class SharedPrefixCache(Cache):
         max_copied_tail: int = DEFAULT_MAX_COPIED_PROMPT_TAIL,
     ) -> SharedPrefixCache:
         """A cache whose prefix is read in place from ``segments[layer]`` (each (1, H_kv, P_i, D),
-        in position order), e.g. the prompt's radix-cache nodes. When there are two or more and the
-        last holds at most ``max_copied_tail`` tokens, it is copied to the front of every branch's
-        suffix (``SharedPrefixLayer.copy_prompt_tail``). The choice depends on the segments alone,
-        never on ``num_branches`` or the batch, so a branch computes the same alone or among others."""
+        in position order), e.g. the prompt's radix-cache nodes. The last segments that together hold
+        at most ``max_copied_tail`` tokens, all but the first segment at most, are copied to the
+        front of every branch's suffix (``SharedPrefixLayer.copy_prompt_tail``): short nodes that a
+        few other prompts share (a topic, a few words) would each be one more read a layer. The choice
+        depends on the segments alone, never on ``num_branches`` or the batch, so a branch computes
+        the same alone or among others."""
         if max_copied_tail < 0:
             raise ValueError(f"max_copied_tail must be >= 0, got {max_copied_tail}")
-        copy_tail = len(segments[0]) > 1 and segments[0][-1][0].shape[2] <= max_copied_tail
-        tail = segments[0][-1][0].shape[2] if copy_tail else 0
+        num_copied, tail = 0, 0
+        for keys, _ in reversed(segments[0][1:]):
+            if tail + keys.shape[2] > max_copied_tail:
+                break
+            num_copied, tail = num_copied + 1, tail + keys.shape[2]
         cache = cls([(segs[0][0], segs[0][1]) for segs in segments], num_branches, suffix_capacity + tail, fused)
         for layer, segs in zip(cache.layers, segments):
             layer.segments = list(segs)
             layer.num_prefix_tokens = sum(k.shape[2] for k, _ in segs)
-            if copy_tail:
-                layer.copy_prompt_tail()
+            if num_copied:
+                layer.copy_prompt_tail(num_copied)
         return cache
 
     def forward_kwargs(self) -> dict[str, Any]:

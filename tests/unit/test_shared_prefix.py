@@ -318,6 +318,30 @@ def test_only_a_tail_within_the_limit_is_copied(tail, limit, copied):
     assert len(cache.layers[0].prompt_segments) == 2
 
 
+@pytest.mark.parametrize("limit,copied", [(8, 0), (9, 9), (13, 9), (14, 14), (100, 14)])
+def test_the_last_segments_within_the_limit_are_copied_and_the_first_stays(limit, copied):
+    """A prompt read as [24, 5, 9]: a short node a few prompts share (5) and the prompt's own tokens
+    (9) are copied together when they fit, else the own tokens alone."""
+    gen = torch.Generator().manual_seed(1)
+    segments = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in (24, 5, 9)]
+    cache = SharedPrefixCache.from_segments([segments], 2, suffix_capacity=2, max_copied_tail=limit)
+    layer = cache.layers[0]
+    assert layer.num_copied_prompt_tokens == copied
+    assert [k.shape[2] for k, _ in layer.segments] == [24, 5, 9][:3 - {0: 0, 9: 1, 14: 2}[copied]]
+    assert [k for k, _ in layer.prompt_segments] == [k for k, _ in segments], "the fork must get the segments themselves"
+    assert torch.equal(cache.stacked_kv(1)[0, 0], torch.cat([k[0] for k, _ in segments], dim=1))
+    query = torch.randn(2, 4, 1, 16, generator=gen)
+    new_k, new_v = torch.randn(2, 2, 1, 16, generator=gen), torch.randn(2, 2, 1, 16, generator=gen)
+    keys, values = layer.update(new_k, new_v)
+    got, _ = shared_prefix_attention(AttentionModuleStub(2), query, keys, values, None, **cache.forward_kwargs())
+    prefix_k = torch.cat([k for k, _ in segments], dim=2)
+    prefix_v = torch.cat([v for _, v in segments], dim=2)
+    want = _eager_over_concatenation(query, prefix_k, prefix_v, new_k, new_v, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    layer.reset()
+    assert layer.num_suffix_tokens == copied
+
+
 def test_a_single_segment_is_never_copied_and_a_negative_limit_is_refused():
     one = _two_segments(5)[:1]
     assert SharedPrefixCache.from_segments([one], 2).layers[0].num_copied_prompt_tokens == 0
@@ -346,8 +370,8 @@ def _count_tail_copies(monkeypatch) -> list[int]:
     copies: list[int] = []
     original = SharedPrefixLayer.copy_prompt_tail
 
-    def counting(layer):
-        original(layer)
+    def counting(layer, num_segments=1):
+        original(layer, num_segments)
         copies.append(layer.num_copied_prompt_tokens)
 
     monkeypatch.setattr(SharedPrefixLayer, "copy_prompt_tail", counting)
