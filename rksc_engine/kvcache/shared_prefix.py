@@ -365,6 +365,11 @@ class SharedPrefixLayer(CacheLayerMixin):
         # Built initialised from the prefix; nothing to do lazily.
         return None
 
+    def reserve(self, capacity: int) -> None:
+        """Make the suffix buffers hold at least ``capacity`` positions a row, allocated now."""
+        if self.keys.shape[2] < capacity:
+            self._grow(capacity)
+
     def _grow(self, needed: int) -> None:
         """Reallocate both suffix buffers with at least ``needed`` positions, or neither: out of memory
         for the second one, keys and values keep their old, equal capacity, and a retry writes both."""

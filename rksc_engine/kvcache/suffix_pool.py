@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..config import MIN_POOLED_SUFFIX_TOKENS
+from .memory import is_out_of_memory
 from .split_attention import fused_cpu_attention, partial_attention
 
 # A pooled suffix call reads its keys padded to a multiple of this (the capacity is one too), so
@@ -129,16 +130,17 @@ class SuffixPool:
         rows = layers[0].keys.shape[0]
         members = self._live_members()
         end = self._end(members)
-        capacity = max(self.capacity, _doubled_to(SUFFIX_ALIGNMENT, used + 1))
-        if not self.keys or end + rows > self.num_slots or capacity > self.capacity:
-            live_rows = sum(slots for _, slots in members)
-            slots = max(self.num_slots, 1)
-            while slots < live_rows + rows:
-                slots *= 2
-            self._rebuild(members, slots, capacity, template=layers)
+        if not self.keys or end + rows > self.num_slots or used + 1 > self.capacity:
+            # Sized to what lives now (the slots and the capacity may shrink as well as grow).
+            self._rebuild(members, _power_of_two(self._live_rows(members) + rows),
+                          _doubled_to(SUFFIX_ALIGNMENT, max(used, self._longest(members)) + 1), template=layers)
             members = self._live_members()
             end = self._end(members)
         for index, layer in enumerate(layers):
+            # The slots may have held an ended request's KV: a masked position's value still enters
+            # the product with weight zero, so a stale inf or NaN there would spoil this request.
+            self.keys[index][end:end + rows].zero_()
+            self.values[index][end:end + rows].zero_()
             self.keys[index][end:end + rows, :, :used] = layer.keys[:, :, :used]
             self.values[index][end:end + rows, :, :used] = layer.values[:, :, :used]
         self._members.append((weakref.ref(cache), rows))
@@ -154,7 +156,16 @@ class SuffixPool:
         if needed > self.max_tokens:
             self.release(cache, keep_capacity=needed)
             return
-        self._rebuild(self._live_members(), self.num_slots, _doubled_to(self.capacity, needed))
+        members = self._live_members()
+        try:
+            self._rebuild(members, _power_of_two(self._live_rows(members)),
+                          _doubled_to(SUFFIX_ALIGNMENT, max(needed, self._longest(members) + 1)))
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            # A pool of every slot at the new length does not fit: this request alone takes buffers
+            # of its own, which need only its rows at that length.
+            self.release(cache, keep_capacity=needed)
 
     def release(self, cache: Any, keep_capacity: int | None = None) -> None:
         """Take ``cache`` out of the pool; its slots become free. With ``keep_capacity``, its suffix is
@@ -175,9 +186,10 @@ class SuffixPool:
                 private.append((keys, values))
             for layer, (keys, values) in zip(cache.layers, private):
                 layer.keys, layer.values = keys, values
-        else:
+        else:  # fresh empty tensors: a view, even an empty one, would keep the pool's memory alive
             for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+                layer.keys = layer.keys.new_empty((*layer.keys.shape[:2], 0, layer.keys.shape[3]))
+                layer.values = layer.values.new_empty((*layer.values.shape[:2], 0, layer.values.shape[3]))
         for layer in cache.layers:
             layer.on_grow = None
         self._members = [(ref, slots) for ref, slots in self._members if ref() is not cache]
@@ -192,6 +204,14 @@ class SuffixPool:
         if len(live) != len(self._members):
             self._members = [(weakref.ref(cache), slots) for cache, slots in live]
         return live
+
+    @staticmethod
+    def _live_rows(members: list[tuple[Any, int]]) -> int:
+        return sum(cache.layers[0].keys.shape[0] for cache, _ in members)
+
+    @staticmethod
+    def _longest(members: list[tuple[Any, int]]) -> int:
+        return max((cache.layers[0].num_suffix_tokens for cache, _ in members), default=0)
 
     @staticmethod
     def _end(members: list[tuple[Any, int]]) -> int:
@@ -252,6 +272,11 @@ class _RoomMaker:
         cache = self.cache()
         if cache is not None:
             self.pool.make_room(cache, needed)
+
+
+def _power_of_two(count: int) -> int:
+    """The least power of two >= ``count`` (1 for 0)."""
+    return 1 << max(count - 1, 0).bit_length()
 
 
 def _doubled_to(capacity: int, needed: int) -> int:

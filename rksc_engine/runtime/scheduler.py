@@ -544,7 +544,7 @@ class Scheduler:
         template = copy.deepcopy(prefilled.cache) if forks and plain else None
         request.cache = self._decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
                                            request=request if prefilled.exact else None)
-        self._pool(request.cache)
+        self._pool(request.cache, request.max_new)
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
@@ -583,7 +583,7 @@ class Scheduler:
             wave.cache = SharedPrefixCache.from_segments(prompt_kv, count,
                                                          suffix_capacity=self._suffix_capacity(owner.max_new),
                                                          max_copied_tail=self.config.max_copied_prompt_tail)
-            self._pool(wave.cache)
+            self._pool(wave.cache, owner.max_new)
         else:
             wave.cache = copy.deepcopy(prompt_kv)
             repeat_rows(wave.cache, count)
@@ -628,15 +628,20 @@ class Scheduler:
         rows (its buffers are then dropped), else the request's budget (up to a bound)."""
         return 1 if self.suffix_pool is not None else initial_suffix_capacity(max_new)
 
-    def _pool(self, cache: Any) -> None:
-        """Move a new decode cache's suffix rows into the pool; out of memory, they stay where they are."""
+    def _pool(self, cache: Any, max_new: int) -> None:
+        """Move a new decode cache's suffix rows into the pool. Where the pool does not take them (out
+        of memory, or a copied prompt tail past its limit), the cache's own buffers get the room
+        they were spared (``_suffix_capacity``)."""
         if self.suffix_pool is None or not isinstance(cache, SharedPrefixCache):
             return
         try:
-            self.suffix_pool.adopt(cache)
+            if self.suffix_pool.adopt(cache):
+                return
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
+        for layer in cache.layers:
+            layer.reserve(layer.num_suffix_tokens + initial_suffix_capacity(max_new))
 
     def _drop_cache(self, request: Request) -> None:
         """Let go of ``request``'s decode cache, its pool slots with it."""

@@ -146,7 +146,9 @@ def test_pooled_requests_decode_the_tokens_of_requests_with_buffers_of_their_own
     engine.prefix_cache.check_consistency()
 
 
-def test_out_of_memory_while_the_pool_grows_in_a_step_is_retried_to_the_same_tokens(monkeypatch):
+def test_out_of_memory_while_the_pool_grows_in_a_step_moves_the_request_to_its_own_buffers(monkeypatch):
+    """A pool of every slot at the longer length does not fit: the request that needs it takes
+    buffers of its own (its rows only), and the step goes on without a retry or a preemption."""
     model, tokenizer = make_tiny_model(0), make_char_tokenizer()
     params = SamplingParams(max_new_tokens=80)  # past the pool's first capacity of 64
     prompts = MIXED_LENGTH_PROMPTS[:2]
@@ -169,8 +171,55 @@ def test_out_of_memory_while_the_pool_grows_in_a_step_is_retried_to_the_same_tok
     got = [[c.token_ids for c in h.result(timeout=120)] for h in handles]
     assert fired, "test setup: the pool never grew"
     assert got == want
+    assert engine.stats().oom_retries == 0 and engine.scheduler.num_preemptions == 0
+
+
+def test_out_of_memory_when_leaving_the_pool_too_is_retried_to_the_same_tokens(monkeypatch):
+    model, tokenizer = make_tiny_model(0), make_char_tokenizer()
+    params = SamplingParams(max_new_tokens=80)
+    prompts = MIXED_LENGTH_PROMPTS[:2]
+    config = EngineConfig(decode_attention="shared_prefix", rsbcm=RSBCMConfig(oom_backoff_s=0.0))
+    engine = RKSCEngine(model, tokenizer, config)
+    want = [[c.token_ids for c in engine.generate_branches(p, 2, params)] for p in prompts]
+    engine.clear_cache()
+    rebuild, release = SuffixPool._rebuild, SuffixPool.release
+    fired = []
+
+    def grow_fails_once(pool, members, slots, capacity, template=None):
+        if pool.keys and capacity > pool.capacity and len(fired) < 1:
+            fired.append("grow")
+            raise torch.OutOfMemoryError("simulated: no memory for a longer pool")
+        return rebuild(pool, members, slots, capacity, template)
+
+    def leave_fails_once(pool, cache, keep_capacity=None):
+        if keep_capacity is not None and len(fired) == 1:
+            fired.append("leave")
+            raise torch.OutOfMemoryError("simulated: no memory for buffers of its own")
+        return release(pool, cache, keep_capacity)
+
+    monkeypatch.setattr(SuffixPool, "_rebuild", grow_fails_once)
+    monkeypatch.setattr(SuffixPool, "release", leave_fails_once)
+    with engine.exclusive():
+        handles = [engine.submit(p, 2, params) for p in prompts]
+    got = [[c.token_ids for c in h.result(timeout=120)] for h in handles]
+    assert fired == ["grow", "leave"], "test setup: the faults did not fire"
+    assert got == want
     assert engine.stats().oom_retries == 1, "the step must be retried once, in place, not preempted"
     assert engine.scheduler.num_preemptions == 0
+
+
+def test_reused_slots_are_cleared_so_an_ended_requests_values_cannot_reach_the_next():
+    pool = SuffixPool(256)
+    stays = pooled_cache(0, 1, 3, pool)
+    ended = pooled_cache(1, 2, 5, pool)
+    for layer in ended.layers:  # what an overflowing request (fp16) might leave past its tokens
+        layer.keys[:, :, 5:].fill_(float("inf"))
+        layer.values[:, :, 5:].fill_(float("nan"))
+    pool.release(ended)
+    newcomer = pooled_cache(2, 2, 4, pool)
+    assert (stays.pool_slot, newcomer.pool_slot, pool.num_slots) == (0, 1, 4), "test setup: the slots were not reused"
+    for keys, values in zip(pool.keys, pool.values):
+        assert torch.isfinite(keys[1:3]).all() and torch.isfinite(values[1:3]).all()
 
 
 # -- the pool's bookkeeping ---------------------------------------------------------------------
@@ -311,3 +360,19 @@ def test_the_unfused_pooled_call_equals_the_fused_one():
                                                      values[row:row + 1, :, :length], HEAD_DIM ** -0.5)
         torch.testing.assert_close(fused[0][row:row + 1], out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(fused[1][row:row + 1], lse, rtol=1e-5, atol=1e-6)
+
+
+def test_growing_sizes_the_pool_to_the_rows_that_live_and_a_released_cache_keeps_none_of_it():
+    """After most requests ended, a longer pool holds only the living rows' slots: a preemption that
+    freed rows must make the next try smaller, not ask for every slot of the high-water mark again."""
+    pool = SuffixPool(512)
+    caches = [pooled_cache(i, 2, 3, pool) for i in range(4)]
+    assert pool.num_slots == 8
+    for cache in caches[1:]:
+        pool.release(cache)
+    assert all(layer.keys.untyped_storage().data_ptr() != pool.keys[0].untyped_storage().data_ptr()
+               for cache in caches[1:] for layer in cache.layers), "a released cache still views the pool"
+    extra = torch.zeros(2, NUM_KV_HEADS, 70, HEAD_DIM)
+    for layer in caches[0].layers:
+        layer.update(extra, extra)
+    assert (pool.num_slots, pool.capacity) == (2, 2 * SUFFIX_ALIGNMENT)
