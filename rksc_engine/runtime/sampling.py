@@ -117,3 +117,16 @@ def choose_next_tokens(
         tokens = sample_rows(probs, generators)
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs
+
+
+def greedy_choices(logits: torch.Tensor, greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``choose_next_tokens`` for every row of a step's ``logits`` (B, V) at once, as greedy: the
+    tokens and log-probabilities each greedy request takes from its rows, one argmax and one
+    log-softmax for the batch instead of one per request (both are per row, so a row's results are
+    the same bits in any batch). ``greedy`` says, per request, whether it may take them; None when
+    fewer than two requests may, where one call gains nothing."""
+    if sum(greedy) < 2:
+        return None
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]

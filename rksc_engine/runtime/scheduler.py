@@ -54,7 +54,7 @@ from .lock import EngineLock
 from .model_runner import ModelRunner
 from .prefill import Prefilled, Prefiller
 from .request import Branch, Request
-from .sampling import choose_next_tokens, make_generators
+from .sampling import choose_next_tokens, greedy_choices, make_generators
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -723,8 +723,10 @@ class Scheduler:
                     self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
         if stepped is not None:
             logits, row_ranges = stepped
+            greedy = greedy_choices(logits, [r.params.greedy and r.logits_processor is None for r in batched])
             for request, (start, stop) in zip(batched, row_ranges):
-                if self._advance_or_fail(request, logits[start:stop]):
+                chosen = (greedy[0][start:stop], greedy[1][start:stop]) if greedy is not None else None
+                if self._advance_or_fail(request, logits[start:stop], chosen):
                     still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             if request.head.channel.finished or not request.active:
@@ -781,27 +783,34 @@ class Scheduler:
         candidates = [r for r in self._running if r.preemptible and r.active]
         return max(candidates, key=lambda r: r.request_id) if candidates else None
 
-    def _advance_or_fail(self, request: Request, logits: torch.Tensor) -> bool:
+    def _advance_or_fail(self, request: Request, logits: torch.Tensor,
+                         chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """``_advance``, but an error (a failing logits processor or monitor, say) fails this request alone."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
         try:
-            return self._advance(request, logits)
+            return self._advance(request, logits, chosen)
         except KeyboardInterrupt:  # the user's Ctrl-C, delivered to a thread driving the step: stop it
             raise
         except BaseException as error:  # noqa: BLE001 - a request's own hook fails that request alone
             self._fail(request, _as_failure(error))
             return False
 
-    def _advance(self, request: Request, logits: torch.Tensor) -> bool:
+    def _advance(self, request: Request, logits: torch.Tensor,
+                 chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
         it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
-        the request (this wave, for an added one) still has rows."""
+        the request (this wave, for an added one) still has rows. ``chosen``, for a greedy request
+        without a logits processor, is its rows' tokens and log-probabilities, picked for the whole
+        batch at once (``greedy_choices``)."""
         params, head = request.params, request.head
         if request.logits_processor is not None:
             logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
-        generators = [request.generators[b] for b in request.active] if request.generators else []
-        tokens, logprobs = choose_next_tokens(logits, params, generators)
+        if chosen is not None and params.greedy and request.logits_processor is None:
+            tokens, logprobs = chosen
+        else:
+            generators = [request.generators[b] for b in request.active] if request.generators else []
+            tokens, logprobs = choose_next_tokens(logits, params, generators)
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,

@@ -57,3 +57,22 @@ def test_top_p_over_the_leading_candidates_equals_top_p_over_the_sorted_vocabula
     on_the_boundary = (mass_before - top_p).abs() < 1e-6
     assert torch.equal(got[~on_the_boundary], want[~on_the_boundary])
     assert not got.all(dim=-1).any(), "every row must keep at least its top token"
+
+
+@pytest.mark.parametrize("splits", [(1, 1), (3, 1, 4), (8, 8)])
+def test_greedy_choices_for_a_batch_are_each_requests_own_bits(splits):
+    gen = torch.Generator().manual_seed(len(splits))
+    logits = torch.randn(sum(splits), 4096, generator=gen) * 4
+    tokens, logprobs = sampling.greedy_choices(logits, [True] * len(splits))
+    start = 0
+    for rows in splits:
+        want_tokens, want_logprobs = sampling.choose_next_tokens(logits[start:start + rows], SamplingParams(), [])
+        assert torch.equal(tokens[start:start + rows], want_tokens)
+        assert torch.equal(logprobs[start:start + rows], want_logprobs)
+        start += rows
+
+
+def test_greedy_choices_need_two_greedy_requests():
+    logits = torch.randn(3, 10)
+    assert sampling.greedy_choices(logits, [True, False]) is None
+    assert sampling.greedy_choices(logits, [True]) is None

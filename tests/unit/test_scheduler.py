@@ -350,3 +350,30 @@ def test_cancelling_a_request_mid_prefill_unlocks_its_cached_prefix():
         handle.result(timeout=10)
     assert all(node.lock_ref == 0 for node in engine.prefix_cache._iter_nodes()), "a cancelled prefill kept its lock"
     engine.prefix_cache.check_consistency()
+
+
+def test_greedy_requests_decoding_together_take_their_tokens_from_one_choice_for_the_batch(monkeypatch):
+    """One argmax and one log-softmax a step for four greedy requests, not one of each per request;
+    the tokens are each request's alone, the log-probabilities too up to the batched matrix
+    products' rounding (the choice itself is per row: see test_sampling)."""
+    import rksc_engine.runtime.scheduler as scheduler
+
+    engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(), EngineConfig(decode_attention="shared_prefix"))
+    params = SamplingParams(max_new_tokens=6)
+    prompts = MIXED_LENGTH_PROMPTS[:4]
+    alone = [engine.generate(prompt, params) for prompt in prompts]
+    per_request = []
+    choose = scheduler.choose_next_tokens
+
+    def counted(*args, **kwargs):
+        per_request.append(1)
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "choose_next_tokens", counted)
+    with engine.exclusive():
+        handles = [engine.submit(prompt, 1, params) for prompt in prompts]
+    together = [h.result(timeout=60)[0] for h in handles]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for got, want in zip(together, alone):
+        assert got.logprobs == pytest.approx(want.logprobs, rel=1e-5, abs=1e-5)
+    assert len(per_request) == 4, "only each request's first token (from its prefill) is chosen on its own"
