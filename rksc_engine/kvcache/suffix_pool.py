@@ -148,9 +148,9 @@ class SuffixPool:
         return True
 
     def make_room(self, cache: Any, needed: int) -> None:
-        """Give pooled ``cache`` room for ``needed`` suffix tokens a row: the pool's capacity doubles
-        (every member's views are rebound), or, past ``max_tokens``, the cache leaves the pool with
-        buffers of its own."""
+        """Give pooled ``cache`` room for ``needed`` suffix tokens a row: the pool is rebuilt longer
+        (sized to the rows that live; every member's views are rebound), or, past ``max_tokens`` or
+        when the longer pool does not fit in memory, the cache leaves the pool with buffers of its own."""
         if needed <= self.capacity:
             return
         if needed > self.max_tokens:
