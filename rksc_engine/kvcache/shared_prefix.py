@@ -176,7 +176,7 @@ def _suffix_partials(query: torch.Tensor, num_kv_heads: int, layer: BatchDecodeL
     """Every row's attention over its own suffix, in batch order: (B, H_kv, G*T, D) and (B, H_kv, G*T).
     The requests of a pooled run (consecutive slots of one ``SuffixPool``) take one call together;
     every other request takes one of its own."""
-    batch, num_heads, num_new, head_dim = query.shape
+    _, num_heads, num_new, head_dim = query.shape
     runs = {run.first: run for run in layer.pooled_runs} if num_new == 1 else {}
     pieces = []
     group = 0
@@ -380,13 +380,22 @@ class SharedPrefixLayer(CacheLayerMixin):
         capacity = self.keys.shape[2]
         while capacity < needed:
             capacity *= 2
-        used = self.num_suffix_tokens
+        self.keys, self.values = self.resized_buffers(capacity)
+
+    def resized_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New suffix buffers (B, H_kv, ``capacity``, D) holding this layer's suffix, both allocated
+        before anything is bound (the caller binds them)."""
         shape = (*self.keys.shape[:2], capacity, self.keys.shape[3])
-        keys = torch.empty(shape, dtype=self.keys.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.values.dtype, device=self.device)
+        keys = torch.empty(shape, dtype=self.keys.dtype, device=self.keys.device)
+        values = torch.empty(shape, dtype=self.values.dtype, device=self.values.device)
+        self.copy_suffix_into(keys, values)
+        return keys, values
+
+    def copy_suffix_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy the suffix's filled positions to the front of ``keys``/``values`` (B, H_kv, >= S, D)."""
+        used = self.num_suffix_tokens
         keys[:, :, :used] = self.keys[:, :, :used]
         values[:, :, :used] = self.values[:, :, :used]
-        self.keys, self.values = keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -698,10 +707,9 @@ class PooledRows:
     def of(cls, caches: list[SharedPrefixCache], row_ranges: list[tuple[int, int]]) -> PooledRows | None:
         """The pooled rows of a batch of ``caches``, room made for one more token each (the pool
         grows, or a request past its limit leaves it). None when no request is pooled."""
-        pools = {id(c.suffix_pool): c.suffix_pool for c in caches if c.suffix_pool is not None}
-        if not pools:
+        pool = next((c.suffix_pool for c in caches if c.suffix_pool is not None), None)  # a scheduler has one
+        if pool is None:
             return None
-        pool = next(iter(pools.values()))  # a scheduler has one pool
         for cache in caches:
             if cache.suffix_pool is pool:
                 pool.make_room(cache, cache.layers[0].num_suffix_tokens + 1)

@@ -98,7 +98,6 @@ class SuffixPool:
         # The adopted caches in slot order, each with the slots it was given (its rows may since
         # have shrunk, leaving the rest of its slots unused).
         self._members: list[tuple[weakref.ref, int]] = []
-        self.num_rebuilds = 0
 
     @property
     def num_slots(self) -> int:
@@ -141,8 +140,7 @@ class SuffixPool:
             # the product with weight zero, so a stale inf or NaN there would spoil this request.
             self.keys[index][end:end + rows].zero_()
             self.values[index][end:end + rows].zero_()
-            self.keys[index][end:end + rows, :, :used] = layer.keys[:, :, :used]
-            self.values[index][end:end + rows, :, :used] = layer.values[:, :, :used]
+            layer.copy_suffix_into(self.keys[index][end:end + rows], self.values[index][end:end + rows])
         self._members.append((weakref.ref(cache), rows))
         self._bind(cache, end, rows)
         return True
@@ -173,17 +171,8 @@ class SuffixPool:
         decoding); without, its layers are left without a suffix (it is done)."""
         if not self.holds(cache):
             return
-        if keep_capacity is not None:
-            private = []
-            for layer in cache.layers:
-                used = layer.num_suffix_tokens
-                shape = (layer.keys.shape[0], layer.keys.shape[1], _doubled_to(layer.keys.shape[2], keep_capacity),
-                         layer.keys.shape[3])
-                keys = torch.empty(shape, dtype=layer.keys.dtype, device=layer.keys.device)
-                values = torch.empty(shape, dtype=layer.values.dtype, device=layer.values.device)
-                keys[:, :, :used] = layer.keys[:, :, :used]
-                values[:, :, :used] = layer.values[:, :, :used]
-                private.append((keys, values))
+        if keep_capacity is not None:  # every layer's buffers allocated before any is bound
+            private = [layer.resized_buffers(_doubled_to(layer.keys.shape[2], keep_capacity)) for layer in cache.layers]
             for layer, (keys, values) in zip(cache.layers, private):
                 layer.keys, layer.values = keys, values
         else:  # fresh empty tensors: a view, even an empty one, would keep the pool's memory alive
@@ -231,27 +220,21 @@ class SuffixPool:
         Everything is allocated before anything moves, so out of memory leaves the pool as it was.
         Zero-filled: padding is masked, but a masked key's value still enters the product with weight
         zero, and uninitialised memory may hold a NaN."""
-        shapes = [(layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype, layer.keys.device)
-                  for layer in (template if template is not None else members[0][0].layers)] if not self.keys else \
-            [(k.shape[1], k.shape[3], k.dtype, k.device) for k in self.keys]
-        keys = [torch.zeros(slots, heads, capacity, dim, dtype=dtype, device=device) for heads, dim, dtype, device in shapes]
-        values = [torch.zeros(slots, heads, capacity, dim, dtype=dtype, device=device)
-                  for heads, dim, dtype, device in shapes]
+        like = self.keys or [layer.keys for layer in (template or members[0][0].layers)]
+        keys = [torch.zeros(slots, k.shape[1], capacity, k.shape[3], dtype=k.dtype, device=k.device) for k in like]
+        values = [torch.zeros_like(k) for k in keys]
         start = 0
         placed = []
         for cache, _ in members:
             rows = cache.layers[0].keys.shape[0]
             for index, layer in enumerate(cache.layers):
-                used = layer.num_suffix_tokens
-                keys[index][start:start + rows, :, :used] = layer.keys[:, :, :used]
-                values[index][start:start + rows, :, :used] = layer.values[:, :, :used]
+                layer.copy_suffix_into(keys[index][start:start + rows], values[index][start:start + rows])
             placed.append((cache, start, rows))
             start += rows
         self.keys, self.values = keys, values
         self._members = [(weakref.ref(cache), rows) for cache, _, rows in placed]
         for cache, slot, rows in placed:
             self._bind(cache, slot, rows)
-        self.num_rebuilds += 1
 
     def _bind(self, cache: Any, slot: int, rows: int) -> None:
         cache.suffix_pool, cache.pool_slot = self, slot

@@ -119,6 +119,10 @@ def choose_next_tokens(
     return tokens, logprobs
 
 
+# What ``greedy_choices`` picks by: argmax.
+GREEDY = SamplingParams(temperature=0.0)
+
+
 def greedy_choices(logits: torch.Tensor, greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``choose_next_tokens`` for every row of a step's ``logits`` (B, V) at once, as greedy: the
     tokens and log-probabilities each greedy request takes from its rows, one argmax and one
@@ -127,6 +131,4 @@ def greedy_choices(logits: torch.Tensor, greedy: list[bool]) -> tuple[torch.Tens
     fewer than two requests may, where one call gains nothing."""
     if sum(greedy) < 2:
         return None
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return choose_next_tokens(logits, GREEDY, [])

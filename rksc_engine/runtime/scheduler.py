@@ -723,9 +723,10 @@ class Scheduler:
                     self._rows_cap = sum(len(r.active) for r in self._running if r is not victim)
         if stepped is not None:
             logits, row_ranges = stepped
-            greedy = greedy_choices(logits, [r.params.greedy and r.logits_processor is None for r in batched])
-            for request, (start, stop) in zip(batched, row_ranges):
-                chosen = (greedy[0][start:stop], greedy[1][start:stop]) if greedy is not None else None
+            takes_greedy = [r.params.greedy and r.logits_processor is None for r in batched]
+            greedy = greedy_choices(logits, takes_greedy)
+            for request, takes, (start, stop) in zip(batched, takes_greedy, row_ranges):
+                chosen = (greedy[0][start:stop], greedy[1][start:stop]) if greedy is not None and takes else None
                 if self._advance_or_fail(request, logits[start:stop], chosen):
                     still_running.append(request)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
@@ -800,13 +801,13 @@ class Scheduler:
                  chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
         it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
-        the request (this wave, for an added one) still has rows. ``chosen``, for a greedy request
-        without a logits processor, is its rows' tokens and log-probabilities, picked for the whole
-        batch at once (``greedy_choices``)."""
+        the request (this wave, for an added one) still has rows. ``chosen``, given only to a greedy
+        request without a logits processor, is its rows' tokens and log-probabilities, picked for the
+        whole batch at once (``greedy_choices``)."""
         params, head = request.params, request.head
         if request.logits_processor is not None:
             logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
-        if chosen is not None and params.greedy and request.logits_processor is None:
+        if chosen is not None:
             tokens, logprobs = chosen
         else:
             generators = [request.generators[b] for b in request.active] if request.generators else []
