@@ -15,7 +15,9 @@ about the same length:
   of its suffix, so each request makes two attention calls a layer for its own tokens, not one;
 * ``suffixes_apart``: the independent requests again, with ``max_pooled_suffix_tokens=0``: each
   request keeps its generated tokens in buffers of its own, so a step writes the new KV and attends
-  to the suffixes with one operation per request and layer, not one per layer.
+  to the suffixes with one operation per request and layer, not one per layer;
+* ``linear_products``: the independent requests again, with ``EngineConfig(decode_matmul="linear")``:
+  the decode step's linear layers compute ``x @ W.T`` as the model's own do, not ``(W @ x.T).T``.
 
 For each batch size (``--rows``, default 1,4,8,16,32,64) it reports decode tokens/s of both arms
 and their ratio, measured side by side (arms alternated, prefix cache cleared before each run).
@@ -105,10 +107,12 @@ def curve(engine: RKSCEngine, variants: dict[str, RKSCEngine], args: argparse.Na
         row["packed_gain"] = row["independent_tok_s"] / row["one_by_one_tok_s"]
         row["tail_copy_gain"] = row["independent_tok_s"] / row["tails_in_place_tok_s"]
         row["pool_gain"] = row["independent_tok_s"] / row["suffixes_apart_tok_s"]
+        row["weight_left_gain"] = row["independent_tok_s"] / row["linear_products_tok_s"]
         print(f"| {rows} | {row['independent_tok_s']:.1f} | {row['one_by_one_tok_s']:.1f} | "
               f"{row['tails_in_place_tok_s']:.1f} | {row['suffixes_apart_tok_s']:.1f} | {row['siblings_tok_s']:.1f} | "
               f"{row['ratio']:.2f} | {row['suffixes_apart_tok_s'] / row['siblings_tok_s']:.2f} | "
-              f"{row['packed_gain']:.2f}x | {row['tail_copy_gain']:.2f}x | {row['pool_gain']:.2f}x |", flush=True)
+              f"{row['packed_gain']:.2f}x | {row['tail_copy_gain']:.2f}x | {row['pool_gain']:.2f}x | "
+              f"{row['linear_products_tok_s']:.1f} | {row['weight_left_gain']:.2f}x |", flush=True)
         table.append(row)
     return table
 
@@ -150,12 +154,14 @@ def main(argv: list[str] | None = None) -> None:
                                      EngineConfig(scheduler=SchedulerConfig(max_copied_prompt_tail=0))),
         "suffixes_apart": RKSCEngine(engine.model, engine.tokenizer,
                                      EngineConfig(scheduler=SchedulerConfig(max_pooled_suffix_tokens=0))),
+        "linear_products": RKSCEngine(engine.model, engine.tokenizer, EngineConfig(decode_matmul="linear")),
     }
     for warm in (engine, *variants.values()):
         warm.generate("warm up", SamplingParams(max_new_tokens=4))
     print("| rows | independent tok/s | prompts prefilled one by one | own prompt tokens read in place | "
           "suffixes apart | siblings tok/s | independent / siblings | apart / siblings | packed prefill gain | "
-          "tail copy gain | pool gain |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "tail copy gain | pool gain | linear products tok/s | weight-left gain |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, variants, args)}
     if args.profile is not None:
         report["profile"] = profile(engine, args.profile, args)

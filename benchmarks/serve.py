@@ -8,6 +8,10 @@ chat requests one after another (distinct questions), greedy, ``--max-tokens`` e
                         the same with ``SchedulerConfig(mixed_prefill=True)``: each arrival's prompt
                         prefilled in the running rows' decode forward rather than in a forward of its
                         own (cache cleared first, so both arms start cold).
+    in-process, linear products
+                        the same on a second engine over the same model with
+                        ``EngineConfig(decode_matmul="linear")``: the decode step's linear layers
+                        compute ``x @ W.T`` as the model's own do, not ``(W @ x.T).T``.
     rksc serve          the ``rksc serve`` command as a subprocess on a free loopback port.
     transformers serve  ``transformers serve <model dir>`` as a subprocess on a free loopback port,
                         offline (``HF_HUB_OFFLINE=1``), same device and dtype. When it cannot run, the
@@ -191,6 +195,17 @@ def mixed_in_process_arm(engine: RKSCEngine, work: Workload) -> Arm:
         return in_process_arm(engine, work, "in-process, mixed prefill on")
     finally:
         engine.config = config
+
+
+def linear_products_arm(engine: RKSCEngine, work: Workload) -> Arm:
+    """The in-process arm on an engine over the same model whose decode step keeps the model's own
+    linear layers (``decode_matmul="linear"``)."""
+    linear = RKSCEngine(engine.model, engine.tokenizer, replace(engine.config, decode_matmul="linear"))
+    linear.generate("warm up", SamplingParams(max_new_tokens=4))
+    try:
+        return in_process_arm(linear, work, "in-process, linear products")
+    finally:
+        linear.clear_cache()  # its KV is no use to the later arms
 
 
 def http_arm(base_url: str, model: str, work: Workload, name: str, count_tokens: Callable[[str], int]) -> Arm:
@@ -447,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     def count_tokens(text: str) -> int:  # for a server whose answers carry no usage
         return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    arms = [in_process_arm(engine, work), mixed_in_process_arm(engine, work), rksc_serve_arm(args, work, count_tokens)]
+    arms = [in_process_arm(engine, work), mixed_in_process_arm(engine, work), linear_products_arm(engine, work),
+            rksc_serve_arm(args, work, count_tokens)]
     if args.skip_transformers_serve:
         arms.append(Arm("transformers serve", not_run="not run: --skip-transformers-serve"))
     else:

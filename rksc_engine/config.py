@@ -440,6 +440,7 @@ class SchedulerConfig:
 
 
 DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")
+DECODE_MATMUL_MODES = ("auto", "linear")
 
 
 @dataclass(frozen=True)
@@ -459,6 +460,11 @@ class EngineConfig:
             copied once per branch in a ``transformers`` ``DynamicCache``.
         asks: ASKS settings (off by default): KV reuse across prompts that differ in wording.
         scheduler: How concurrent requests are batched.
+        decode_matmul: How a decode step's linear layers multiply. ``"auto"`` (default): on a CPU,
+            the float32 ``torch.nn.Linear`` layers of a step of 2 to 32 rows compute ``(W @ x.T).T``,
+            which the CPU's BLAS runs several times faster than ``linear``'s ``x @ W.T`` at a few rows
+            (``rksc_engine.runtime.weight_left_linear``); elsewhere, and on a GPU, the model's own
+            layers. ``"linear"``: always the model's own layers.
     """
 
     rsbcm: RSBCMConfig = field(default_factory=RSBCMConfig)
@@ -468,6 +474,7 @@ class EngineConfig:
     decode_attention: str = "auto"
     asks: ASKSConfig = field(default_factory=ASKSConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         check_type("rsbcm", self.rsbcm, RSBCMConfig)
@@ -487,3 +494,6 @@ class EngineConfig:
             raise ValueError(
                 f"decode_attention must be one of {list(DECODE_ATTENTION_MODES)}, got {self.decode_attention!r}"
             )
+        check_type("decode_matmul", self.decode_matmul, str)
+        if self.decode_matmul not in DECODE_MATMUL_MODES:
+            raise ValueError(f"decode_matmul must be one of {list(DECODE_MATMUL_MODES)}, got {self.decode_matmul!r}")

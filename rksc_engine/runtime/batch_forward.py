@@ -33,7 +33,8 @@ def forward_rows(runner: ModelRunner, requests: Sequence[Request]) -> tuple[torc
     cache = BatchDecodeCache([r.cache for r in requests])
     input_ids = torch.cat([r.next_tokens for r in requests])[:, None]  # (B, 1)
     with attention_implementation(runner.model, ATTENTION_NAME):
-        out = runner.forward(input_ids, cache, position_ids=cache.position_ids(runner.device), **cache.forward_kwargs())
+        out = runner.decode_forward(input_ids, cache, position_ids=cache.position_ids(runner.device),
+                                    **cache.forward_kwargs())
     return out.logits[:, -1, :], cache.row_ranges
 
 

@@ -7,6 +7,7 @@ Callers hold the engine lock (``runtime.lock``); the runner takes no lock itself
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ..kvcache.cache_layers import (
 from ..kvcache.memory import run_with_oom_retry
 from ..kvcache.radix import RadixPrefixCache
 from ..kvcache.shared_prefix import ProbeResult, probe
+from . import weight_left_linear
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class ModelRunner:
             raise NotImplementedError(f"rksc cannot run layers of type {unsupported}: transformers' DynamicCache has no "
                                       "layer for them, so no exact cache can be kept")
         self.model = model.eval()
+        # The layers' forwards only change inside `decode_forward`; elsewhere they are the model's.
+        self.weight_left_layers = weight_left_linear.install(model) if config.decode_matmul == "auto" else 0
         self._prefix_cache_refusal = prefix_cache_refusal(self._layer_types or [])
         self.config = config
         self.prefix_cache = prefix_cache
@@ -139,6 +143,13 @@ class ModelRunner:
         return self.run_with_oom_retry(
             lambda: self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache}, **kwargs), cache
         )
+
+    def decode_forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        """``forward`` for a decode step's rows. With ``decode_matmul="auto"`` on a CPU, its linear
+        layers take the weight-left product at 2 to ``weight_left_linear.MAX_ROWS`` rows."""
+        products = weight_left_linear.weight_left_products() if self.weight_left_layers else contextlib.nullcontext()
+        with products:
+            return self.forward(input_ids, cache, **kwargs)
 
     def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final

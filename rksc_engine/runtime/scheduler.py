@@ -733,7 +733,7 @@ class Scheduler:
             if request.head.channel.finished or not request.active:
                 continue
             try:
-                out = runner.forward(request.next_tokens[:, None], request.cache)
+                out = runner.decode_forward(request.next_tokens[:, None], request.cache)
             except Exception as error:
                 victim = self._oom_victim(error)
                 if victim is None:
