@@ -4,6 +4,8 @@ tokens stay those of ``linear`` and of ``transformers``."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -38,6 +40,14 @@ def test_install_takes_plain_float32_cpu_linears_only_and_once():
     assert model[0].forward == gated
     assert uninstall(model) == 1
     assert "forward" not in vars(model[0])
+
+
+def test_a_model_with_it_still_pickles_and_copies():
+    model = layers()
+    install(model)
+    x = torch.randn(3, 24)
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert torch.equal(copied[0](x), model[0](x))
 
 
 @pytest.mark.parametrize("rows", [1, MIN_ROWS, 5, MAX_ROWS, MAX_ROWS + 1])
