@@ -32,7 +32,7 @@ import time, torch, transformers
 from rksc_engine import RKSCEngine, SamplingParams
 print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))
 engine = RKSCEngine.from_pretrained()
-print("device", engine.device, "dtype", engine.dtype)
+print("device", engine.device, "dtype", engine.dtype, "weight-left layers (0 expected on CUDA):", engine.runner.weight_left_layers)
 prompts = ["The capital of France is", "Q: A baker has 4 trays of 12 muffins and sells 30. How many are left?\nA:"]
 same = 0
 for p in prompts:

@@ -55,7 +55,7 @@ class ModelRunner:
             raise NotImplementedError(f"rksc cannot run layers of type {unsupported}: transformers' DynamicCache has no "
                                       "layer for them, so no exact cache can be kept")
         self.model = model.eval()
-        # The layers' forwards only change inside `decode_forward`; elsewhere they are the model's.
+        # Its float32 CPU linear layers compute otherwise only inside `decode_forward`; elsewhere as before.
         self.weight_left_layers = weight_left_linear.install(model) if config.decode_matmul == "auto" else 0
         self._prefix_cache_refusal = prefix_cache_refusal(self._layer_types or [])
         self.config = config

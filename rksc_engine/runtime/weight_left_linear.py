@@ -3,14 +3,15 @@
 ``torch.nn.functional.linear(x, W)`` computes ``x @ W.T``. On a CPU, when ``x`` has a few rows and
 ``W`` is large, the BLAS behind it runs that product several times slower than ``(W @ x.T).T``,
 the same numbers laid out the other way round: a decode step's linear layers have as many rows as
-the batch has, and their time is the step's. For the LM head of a small model (49,152 x 576, float32)
-at 2 to 8 rows, ``linear`` took 24-35 ms a call on a 2-core CPU where ``(W @ x.T).T`` took 9-12 ms.
-Float32 only: in bfloat16 and float16 the weight-left product was no faster there.
+the batch has, and their time is the step's (timings in ``docs/bench/batch_curve.md``). Float32
+only: in bfloat16 and float16 the weight-left product was no faster.
 
-``install`` gives each plain ``torch.nn.Linear`` of a model on the CPU a forward that takes the
-weight-left product, but only inside ``weight_left_products()`` on the same thread and only for 2 to
-``MAX_ROWS`` rows; anywhere else (one row, a prompt's prefill, the user's own calls to the model on
-another thread) it is ``torch.nn.functional.linear`` as before, bit for bit.
+``install`` turns each plain float32 ``torch.nn.Linear`` of a model on the CPU into a
+``WeightLeftLinear``, in place: its class changes, nothing else (the same parameters, hooks and
+state dict). A ``WeightLeftLinear`` takes the weight-left product only inside
+``weight_left_products()`` on the same thread and only for 2 to ``MAX_ROWS`` rows; anywhere else
+(one row, a prompt's prefill, the user's own calls to the model on another thread) it is
+``torch.nn.functional.linear`` as before, bit for bit.
 
 Neither product is batch-invariant in its bits: with ``linear`` too, a row's result among 8 rows
 differs in its last bits from the same row alone. Each is exact to float32 rounding.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 # with the same bits, so it stays with ``linear``.
 MIN_ROWS = 2
 # Rows up to which it is taken. Its result comes out transposed and is copied to the usual layout
-# (layers ``view`` their outputs); at 64 rows that strided copy cost what the product saved.
+# (layers ``view`` their outputs); that strided copy grows with the rows until it costs what the
+# product saves.
 MAX_ROWS = 32
 
 _thread = threading.local()
@@ -39,50 +40,13 @@ _thread = threading.local()
 
 @contextlib.contextmanager
 def weight_left_products() -> Iterator[None]:
-    """Within this block, on this thread, installed linear layers take the weight-left product."""
+    """Within this block, on this thread, ``WeightLeftLinear`` layers take the weight-left product."""
     previous = getattr(_thread, "active", False)
     _thread.active = True
     try:
         yield
     finally:
         _thread.active = previous
-
-
-def takes_weight_left(module: Any) -> bool:
-    """Whether ``install`` would give ``module`` the weight-left forward: a plain ``torch.nn.Linear``
-    (no subclass: quantized and adapter layers compute otherwise) with a float32 weight on the CPU,
-    whose forward no one else has replaced (accelerate's offload hooks do, on the instance)."""
-    return (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.float32 and "forward" not in vars(module))
-
-
-def install(model: torch.nn.Module) -> int:
-    """Give each of ``model``'s linear layers that ``takes_weight_left`` the gated forward. Returns
-    how many of its layers have it, including those an earlier call gave it (another engine over
-    the same model): 0 for a model on a GPU."""
-    count = 0
-    for module in model.modules():
-        if _has_gated_forward(module):
-            count += 1
-        elif takes_weight_left(module):
-            module.forward = types.MethodType(_forward, module)
-            count += 1
-    return count
-
-
-def uninstall(model: torch.nn.Module) -> int:
-    """Give the layers ``install`` changed their class's forward back. Returns how many."""
-    removed = 0
-    for module in model.modules():
-        if _has_gated_forward(module):
-            del module.forward
-            removed += 1
-    return removed
-
-
-def _has_gated_forward(module: Any) -> bool:
-    forward = vars(module).get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__ is _forward
 
 
 def weight_left_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -95,14 +59,46 @@ def weight_left_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out.T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if getattr(_thread, "active", False) and x.device.type == "cpu" and x.dim() >= 1:
-        rows = x.numel() // max(1, x.shape[-1])
-        if MIN_ROWS <= rows <= MAX_ROWS:
-            return weight_left_linear(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)
+class WeightLeftLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` that takes the weight-left product inside ``weight_left_products()``,
+    at 2 to ``MAX_ROWS`` rows of float32 on the CPU, and is ``linear`` everywhere else."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # the argument's name is nn.Linear's
+        if (getattr(_thread, "active", False) and input.device.type == "cpu" and input.dim() >= 1
+                and input.dtype == torch.float32 and self.weight.dtype == torch.float32):
+            rows = input.numel() // max(1, input.shape[-1])
+            if MIN_ROWS <= rows <= MAX_ROWS:
+                return weight_left_linear(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias)
 
 
-# A bound method pickles as ``getattr(module, __name__)``. Under the name it is installed as, a model
-# with it still pickles (``torch.save`` of the whole model), and loads with a plain forward.
-_forward.__name__ = "forward"
+def takes_weight_left(module: Any) -> bool:
+    """Whether ``install`` would turn ``module`` into a ``WeightLeftLinear``: a plain
+    ``torch.nn.Linear`` (no subclass: quantized and adapter layers compute otherwise) with a plain
+    float32 weight on the CPU (no tensor subclass), whose forward no one has replaced on the
+    instance (accelerate's offload hooks do)."""
+    return (type(module) is torch.nn.Linear and type(module.weight.data) is torch.Tensor
+            and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+            and "forward" not in vars(module))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Turn each of ``model``'s linear layers that ``takes_weight_left`` into a ``WeightLeftLinear``.
+    Returns how many of its layers are one, including those an earlier call turned (another engine
+    over the same model): 0 for a model on a GPU."""
+    count = 0
+    for module in model.modules():
+        if takes_weight_left(module):
+            module.__class__ = WeightLeftLinear
+        count += type(module) is WeightLeftLinear
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Turn ``model``'s ``WeightLeftLinear`` layers back into ``torch.nn.Linear``. Returns how many."""
+    removed = 0
+    for module in model.modules():
+        if type(module) is WeightLeftLinear:
+            module.__class__ = torch.nn.Linear
+            removed += 1
+    return removed
