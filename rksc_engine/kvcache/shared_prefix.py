@@ -59,7 +59,7 @@ from .split_attention import (
     variant_partials,
     visible_segments,
 )
-from .suffix_pool import SuffixPool, pooled_suffix_attention, suffix_mask
+from .suffix_pool import SuffixPool, doubled_to, pooled_suffix_attention, suffix_mask
 
 ATTENTION_NAME = "rksc_shared_prefix"
 # The forward keyword that carries the cache down to ``shared_prefix_attention``.
@@ -377,10 +377,7 @@ class SharedPrefixLayer(CacheLayerMixin):
             self.on_grow(needed)
             if self.keys.shape[2] >= needed:
                 return
-        capacity = self.keys.shape[2]
-        while capacity < needed:
-            capacity *= 2
-        self.keys, self.values = self.resized_buffers(capacity)
+        self.keys, self.values = self.resized_buffers(doubled_to(self.keys.shape[2], needed))
 
     def resized_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """New suffix buffers (B, H_kv, ``capacity``, D) holding this layer's suffix, both allocated

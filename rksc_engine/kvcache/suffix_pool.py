@@ -131,8 +131,8 @@ class SuffixPool:
         end = self._end(members)
         if not self.keys or end + rows > self.num_slots or used + 1 > self.capacity:
             # Sized to what lives now (the slots and the capacity may shrink as well as grow).
-            self._rebuild(members, _power_of_two(self._live_rows(members) + rows),
-                          _doubled_to(SUFFIX_ALIGNMENT, max(used, self._longest(members)) + 1), template=layers)
+            self._rebuild(members, doubled_to(1, self._live_rows(members) + rows),
+                          doubled_to(SUFFIX_ALIGNMENT, max(used, self._longest(members)) + 1), template=layers)
             members = self._live_members()
             end = self._end(members)
         for index, layer in enumerate(layers):
@@ -156,8 +156,8 @@ class SuffixPool:
             return
         members = self._live_members()
         try:
-            self._rebuild(members, _power_of_two(self._live_rows(members)),
-                          _doubled_to(SUFFIX_ALIGNMENT, max(needed, self._longest(members) + 1)))
+            self._rebuild(members, doubled_to(1, self._live_rows(members)),
+                          doubled_to(SUFFIX_ALIGNMENT, max(needed, self._longest(members) + 1)))
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -172,7 +172,7 @@ class SuffixPool:
         if not self.holds(cache):
             return
         if keep_capacity is not None:  # every layer's buffers allocated before any is bound
-            private = [layer.resized_buffers(_doubled_to(layer.keys.shape[2], keep_capacity)) for layer in cache.layers]
+            private = [layer.resized_buffers(doubled_to(layer.keys.shape[2], keep_capacity)) for layer in cache.layers]
             for layer, (keys, values) in zip(cache.layers, private):
                 layer.keys, layer.values = keys, values
         else:  # fresh empty tensors: a view, even an empty one, would keep the pool's memory alive
@@ -257,14 +257,9 @@ class _RoomMaker:
             self.pool.make_room(cache, needed)
 
 
-def _power_of_two(count: int) -> int:
-    """The least power of two >= ``count`` (1 for 0)."""
-    return 1 << max(count - 1, 0).bit_length()
-
-
-def _doubled_to(capacity: int, needed: int) -> int:
-    """``capacity`` (at least ``SUFFIX_ALIGNMENT``) doubled until it holds ``needed``."""
-    capacity = max(capacity, SUFFIX_ALIGNMENT)
+def doubled_to(capacity: int, needed: int) -> int:
+    """``capacity`` (at least 1) doubled until it holds ``needed``."""
+    capacity = max(capacity, 1)
     while capacity < needed:
         capacity *= 2
     return capacity
