@@ -11,7 +11,15 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from rksc_engine import Completion, EngineConfig, RKSCEngine, SamplingParams
-from rksc_integrations._common import call_sampling_params, normalise_stop
+from rksc_integrations._common import (
+    call_sampling_params,
+    device_from_device_map,
+    loading_from_model_kwargs,
+    local_model_dir,
+    normalise_stop,
+    put_settings,
+    sampling_from_generate_kwargs,
+)
 from rksc_integrations._engines import shared_engine
 
 # Per-call keyword arguments (``model.invoke(x, max_tokens=8)``) that override the field of that name.
@@ -77,10 +85,63 @@ class RKSCFields(BaseModel):
         return normalise_stop(value)
 
     @classmethod
-    def from_model_id(cls, model_id: str | None = None, **fields: Any) -> Any:
-        """Build from a local model directory (``None``: the embedded default), like
-        ``HuggingFacePipeline.from_model_id``; the weights are never downloaded here."""
-        return cls(model=model_id, **fields)
+    def from_model_id(
+        cls,
+        model_id: str | None = None,
+        task: str = "text-generation",
+        backend: str = "default",
+        device: int | str | None = None,
+        device_map: str | int | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        pipeline_kwargs: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> Any:
+        """Build from a local model directory, taking ``HuggingFacePipeline.from_model_id``'s arguments.
+
+        Args:
+            model_id: A local model directory (``None``: the embedded default). The weights are never
+                downloaded: a Hub id that is not a local directory raises ``ValueError``.
+            task: ``"text-generation"``, the one task rksc runs (decoder-only models); others raise
+                ``ValueError``.
+            backend: ``"default"``; another backend raises ``ValueError``.
+            device: As in ``HuggingFacePipeline``, a device index (-1: CPU, ``i``: accelerator ``i``),
+                or an rksc device string (``"cpu"``, ``"cuda:1"``). Exclusive with ``device_map``.
+            device_map: One device (``"auto"``, ``"cpu"``, ``"cuda"``...); a map spreading the model over
+                several devices raises ``ValueError``.
+            model_kwargs: ``torch_dtype``/``dtype`` and ``device_map``; other keys raise ``TypeError``.
+            pipeline_kwargs: The generation arguments: ``max_new_tokens``, ``do_sample``,
+                ``temperature``, ``top_p``, ``top_k`` and ``stop_strings`` set the fields of those
+                names (see ``rksc_integrations._common.sampling_from_generate_kwargs``: ``do_sample=True``
+                samples at transformers' defaults, temperature 1.0 and top_k 50, unless given);
+                ``return_full_text=False`` is what rksc does anyway (only new text comes back), so
+                ``True`` raises ``ValueError``; other keys raise ``TypeError``.
+            **fields: The model's fields (``n``, ``seed``, ``streaming``...); a field also set through
+                ``pipeline_kwargs`` or ``model_kwargs`` raises ``ValueError``.
+
+        Example:
+            ``RKSCLLM.from_model_id("/models/SmolLM2-135M-Instruct", task="text-generation",
+            pipeline_kwargs={"max_new_tokens": 64, "do_sample": True, "temperature": 0.7})``
+        """
+        if task != "text-generation":
+            raise ValueError(f"task must be 'text-generation' (rksc runs decoder-only language models), got {task!r}")
+        if backend != "default":
+            raise ValueError(f"backend must be 'default' (rksc runs the model with PyTorch itself), got {backend!r}")
+        if "batch_size" in fields:
+            raise TypeError("from_model_id does not take batch_size: rksc decodes every prompt of a batch() "
+                            "together, as many as the engine's KV budget holds; drop it")
+        if "model" in fields:
+            raise TypeError("pass the model directory as model_id (from_model_id's name for it), not model=")
+        loading = loading_from_model_kwargs(model_kwargs or {}, "model_kwargs")
+        if device is not None and (device_map is not None or "device" in loading):
+            raise ValueError("pass either device or device_map (also in model_kwargs), not both")
+        if device_map is not None:
+            put_settings(loading, {"device": device_from_device_map(device_map, "device_map")}, "device_map")
+        if device is not None:
+            loading["device"] = device_from_device_map(device, "device") if isinstance(device, int) else device
+        put_settings(fields, loading, "model_kwargs / device_map")
+        put_settings(fields, _pipeline_settings(pipeline_kwargs or {}), "pipeline_kwargs", {"max_new_tokens": "max_tokens"})
+        model = None if model_id is None else local_model_dir(model_id, "model_id")
+        return cls(model=model, **fields)
 
     @property
     def engine(self) -> RKSCEngine:
@@ -217,3 +278,14 @@ def all_at_once(config: RunnableConfig | list[RunnableConfig] | None, num_inputs
     if isinstance(config, list):
         return [{"max_concurrency": width, **c} for c in config]
     return {"max_concurrency": width, **(config or {})}
+
+
+def _pipeline_settings(pipeline_kwargs: Any) -> dict[str, Any]:
+    """The fields a ``HuggingFacePipeline`` text-generation ``pipeline_kwargs`` sets."""
+    if not isinstance(pipeline_kwargs, dict):
+        raise TypeError(f"pipeline_kwargs must be a dict, got {type(pipeline_kwargs).__name__}")
+    generate = dict(pipeline_kwargs)
+    if generate.pop("return_full_text", False):
+        raise ValueError("pipeline_kwargs['return_full_text']=True is not supported: rksc returns only the new text; "
+                         "prepend the prompt yourself if you need it")
+    return sampling_from_generate_kwargs(generate, "pipeline_kwargs")

@@ -4,6 +4,7 @@ Drop-in for ``ChatHuggingFace(llm=HuggingFacePipeline(...))``::
 
     chat = ChatRKSC()                              # embedded default model
     chat = ChatRKSC(engine=engine, max_tokens=64)  # an engine you already have (its cache is shared)
+    chat = ChatRKSC(llm=RKSCLLM.from_model_id(...))  # ChatHuggingFace(llm=HuggingFacePipeline...)'s form
 
 What differs, on purpose:
     * Any history renders (AI or tool message last, as an agent loop sends).
@@ -44,16 +45,20 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import LC_ID_PREFIX
 from pydantic import BaseModel, ConfigDict
 
-from rksc_engine import Completion, SamplingParams
+from rksc_engine import Completion, RKSCEngine, SamplingParams
 from rksc_engine.structured import tools as tool_protocol
 from rksc_engine.structured.constrained import ConstrainedResult, ToolCall, inline_refs, value_params
 from rksc_engine.structured.tools import TOOL_CALL_OPEN, ToolRequest
 from rksc_integrations._async import iterate_in_thread
+from rksc_integrations._common import explicit_settings
 from rksc_integrations.langchain._base import RKSCFields, all_at_once, custom_events
+from rksc_integrations.langchain.llms import RKSCLLM
 from rksc_integrations.langchain.messages import to_engine_messages
 
 # Bound by bind_tools / with_structured_output, consumed here (never passed to the engine).
 _BOUND_KWARGS = ("tools", "tool_choice", "response_format")
+# The settings ``ChatRKSC(llm=...)`` takes from the LLM when the user set them there.
+_LLM_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "streaming")
 
 
 @dataclass
@@ -74,13 +79,31 @@ class ChatRKSC(RKSCFields, BaseChatModel):
     """A LangChain chat model backed by an ``RKSCEngine``.
 
     Args:
-        engine: An engine to use (exclusive with ``model``). With neither, the embedded default is
-            loaded once per process and shared.
+        engine: An engine to use (exclusive with ``model`` and ``llm``). With none of them, the
+            embedded default is loaded once per process and shared.
+        llm: An rksc ``RKSCLLM``, as ``ChatHuggingFace(llm=HuggingFacePipeline(...))`` takes one: its
+            engine is used, and the generation settings set on it (``max_tokens``, ``temperature``,
+            ``top_p``, ``top_k``, ``stop``, ``seed``, ``n``, ``streaming``) are the defaults of the
+            fields given here.
         **fields: The fields below. ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``
             and ``n`` can also be passed per call; other call keyword arguments raise ``TypeError``.
     """
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    def __init__(self, engine: RKSCEngine | None = None, *, llm: Any = None, **fields: Any) -> None:
+        if llm is not None:
+            if not isinstance(llm, RKSCLLM):
+                raise TypeError(f"llm must be an rksc RKSCLLM (rksc_integrations.langchain.RKSCLLM), got "
+                                f"{type(llm).__name__}; for ChatHuggingFace(llm=HuggingFacePipeline.from_model_id(...)) "
+                                f"write ChatRKSC(llm=RKSCLLM.from_model_id(...))")
+            if engine is not None or fields.get("model") is not None:
+                raise ValueError("pass at most one of llm, engine and model")
+            engine = llm.engine
+            for name, value in explicit_settings(llm, {name: name for name in _LLM_SETTINGS}).items():
+                if name not in fields and not (name == "max_new_tokens" and "max_tokens" in fields):
+                    fields[name] = value  # the chat's own arguments win
+        super().__init__(engine, **fields)
 
     @property
     def _llm_type(self) -> str:

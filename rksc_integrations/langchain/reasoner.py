@@ -74,7 +74,7 @@ from rksc_engine.reasoning.early_stop import resolve_early_stop
 from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
 from rksc_engine.reasoning.self_consistency import EXTRACTORS, ReasoningResult
 from rksc_engine.reasoning.verifier import CallableVerifier, Verifier, as_verifier
-from rksc_integrations._common import call_sampling_params, normalise_stop
+from rksc_integrations._common import call_sampling_params, explicit_settings, normalise_stop
 from rksc_integrations._engines import shared_engine
 from rksc_integrations.langchain._base import CACHE_EVENT, all_at_once
 from rksc_integrations.langchain.messages import content_text
@@ -255,7 +255,12 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
     Args:
         llm: A ``ChatRKSC`` or ``RKSCLLM`` whose engine (and prefix cache) to share. Exclusive with
-            ``engine`` and ``model``; with none of them the embedded default engine is shared.
+            ``engine`` and ``model``; with none of them the embedded default engine is shared. The
+            settings set on it (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``,
+            ``seed``, and ``n`` or LlamaIndex's ``branches``) are the reasoner's defaults; the
+            reasoner's own arguments win. A temperature of 0 taken this way is kept: with ``n > 1``
+            every branch is then the same, which the reasoner warns about (pass ``temperature=`` to
+            the reasoner to sample its branches).
         engine: An ``RKSCEngine``.
         **fields: The fields below. ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
             (or ``max_tokens``), ``seed``, ``stop``, ``cgee`` and ``early_stop`` can also be passed per call
@@ -324,6 +329,9 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
             if not isinstance(engine, RKSCEngine):
                 raise TypeError(f"llm must be a ChatRKSC or RKSCLLM (anything with an RKSCEngine .engine), "
                                 f"got {type(llm).__name__}")
+            for name, value in _llm_settings(llm).items():
+                if name not in fields and not (name == "max_new_tokens" and "max_tokens" in fields):
+                    fields[name] = value  # the reasoner's own arguments win
         if engine is not None and not isinstance(engine, RKSCEngine):
             raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
         super().__init__(given_engine=engine, **fields)
@@ -496,6 +504,15 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+def _llm_settings(llm: Any) -> dict[str, Any]:
+    """The generation settings the user set on ``llm``, by the reasoner's names (LlamaIndex's
+    ``RKSCLLM`` calls ``n`` ``branches``)."""
+    fields = getattr(type(llm), "model_fields", {})
+    names = {name: name for name in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")}
+    names["n"] = "n" if "n" in fields else "branches"
+    return explicit_settings(llm, names)
+
+
 def _check_question(question: Any) -> str:
     if not isinstance(question, str):
         raise TypeError(f"the question must be a string, got {type(question).__name__}")

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -67,7 +69,17 @@ from rksc_engine.structured import tools as tool_protocol
 from rksc_engine.structured.constrained import ConstrainedResult, ToolCall, value_params
 from rksc_engine.structured.tools import ToolRequest
 from rksc_integrations._async import iterate_in_thread, run_in_thread
-from rksc_integrations._common import call_sampling_params, check_prompt_text, normalise_stop
+from rksc_integrations._common import (
+    call_sampling_params,
+    check_prompt_text,
+    device_from_device_map,
+    loading_from_model_kwargs,
+    local_model_dir,
+    normalise_stop,
+    put_settings,
+    sampling_from_generate_kwargs,
+    unknown_argument,
+)
 from rksc_integrations._engines import shared_engine
 from rksc_integrations.llama_index.branches import (
     AnswerKey,
@@ -98,6 +110,16 @@ if TYPE_CHECKING:
 
 # Per-call keyword arguments that override the fields of the same name.
 GENERATION_KWARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed", "branches")
+# ``HuggingFaceLLM`` constructor arguments translated to rksc settings (see ``RKSCLLM``).
+HUGGINGFACE_LLM_ARGUMENTS = ("model_name", "tokenizer_name", "generate_kwargs", "device_map", "model_kwargs")
+_REFUSED_HUGGINGFACE_LLM_ARGUMENTS = {
+    "tokenizer": "rksc loads the tokenizer saved with the model; for a model and tokenizer already loaded, pass "
+                 "engine=RKSCEngine(model, tokenizer)",
+    "stopping_ids": "generation ends at the model's end-of-turn token; for more, pass stop strings (stop=[...])",
+    "tokenizer_kwargs": "rksc uses the model directory's tokenizer as saved; to change it, build "
+                        "RKSCEngine(model, tokenizer) and pass engine=",
+    "tokenizer_outputs_to_remove": "rksc builds the model's inputs itself; drop it",
+}
 
 EnginePrompt = str | list[dict[str, Any]] | list[int]
 
@@ -127,12 +149,31 @@ class RKSCLLM(FunctionCallingLLM):
 
     Args:
         engine: An engine to share (its prefix cache is shared too). Exclusive with ``model``.
-        model: A local Hugging Face model directory, loaded with ``RKSCEngine.from_pretrained``.
-            With neither, the embedded default model (SmolLM2-135M-Instruct) is loaded.
-        **fields: Any of the fields below.
+        model: A local Hugging Face model directory, loaded with ``RKSCEngine.from_pretrained``
+            (weights are never downloaded). With neither, the embedded default model
+            (SmolLM2-135M-Instruct) is loaded.
+        device: Where ``model`` is loaded: ``"auto"`` (CUDA if present), ``"cpu"``, ``"cuda:1"``...
+        dtype: The weights' dtype when ``model`` is loaded: ``"auto"`` (float32 on CPU, bfloat16 on
+            CUDA), ``"fast"`` or a dtype name.
+        **fields: Any of the fields below, or ``HuggingFaceLLM``'s arguments:
 
-    Any generation field can also be passed per call (``llm.complete(p, max_new_tokens=8)``);
-    other keyword arguments raise ``TypeError``.
+            * ``model_name``: the same as ``model`` (a local directory; a Hub id raises ``ValueError``).
+            * ``tokenizer_name``: accepted when it is the model's directory (rksc loads the tokenizer
+              saved with the model); another raises ``ValueError``.
+            * ``generate_kwargs``: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``,
+              ``top_k`` and ``stop_strings`` set the fields of those names (``do_sample=True`` samples
+              at transformers' defaults, temperature 1.0 and top_k 50, unless they are given; a
+              temperature without ``do_sample`` samples too); other keys raise ``TypeError``.
+            * ``device_map``: one device, as ``device``; a map over several devices raises ``ValueError``.
+            * ``model_kwargs``: ``torch_dtype``/``dtype`` and ``device_map``, as ``dtype`` and ``device``.
+            * ``max_new_tokens``, ``context_window``, ``is_chat_model``, ``system_prompt``,
+              ``messages_to_prompt``, ``completion_to_prompt``: fields of the same name (a
+              ``context_window`` larger than the model's raises ``ValueError``).
+            * ``stopping_ids``, ``tokenizer_kwargs``, ``tokenizer_outputs_to_remove`` and ``tokenizer``
+              raise ``TypeError`` saying what to write instead.
+
+    Any generation field can also be passed per call (``llm.complete(p, max_new_tokens=8)``). An
+    unknown argument, to the constructor or a call, raises ``TypeError`` naming it.
     """
 
     max_new_tokens: int = Field(default=256, description="Upper bound on generated tokens (metadata.num_output).", gt=0)
@@ -184,22 +225,36 @@ class RKSCLLM(FunctionCallingLLM):
     _engine: RKSCEngine = PrivateAttr()
     _verifier: Any = PrivateAttr(default=None)
 
-    def __init__(self, engine: RKSCEngine | None = None, model: str | None = None, **fields: Any) -> None:
+    def __init__(
+        self, engine: RKSCEngine | None = None, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+        **fields: Any,
+    ) -> None:
+        model, device, dtype = _huggingface_llm_arguments(fields, model, device, dtype)
+        for name in fields:
+            if name not in type(self).model_fields:
+                raise unknown_argument(name, [*type(self).model_fields, "engine", "model", "device", "dtype",
+                                              *HUGGINGFACE_LLM_ARGUMENTS], "RKSCLLM")
         if engine is not None and model is not None:
             raise ValueError("pass either engine or model, not both")
         if engine is not None and not isinstance(engine, RKSCEngine):
             raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a local model directory, got {type(model).__name__}; for a model "
+                            f"already loaded, pass engine=RKSCEngine(model, tokenizer)")
         super().__init__(**fields)
         self._params({})  # a bad field combination fails here, not at the first call
         if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
         # Like LangChain's ChatRKSC: one engine (and prefix cache) per model in the process.
         if self.reuse_retrieved_context and engine is None:
-            engine = shared_engine(model, config=EngineConfig(asks=ASKSConfig.for_retrieved_context()))
+            engine = shared_engine(model, device, dtype, config=EngineConfig(asks=ASKSConfig.for_retrieved_context()))
         if self.reuse_retrieved_context and not engine.config.asks.reuse_chunks:
             raise ValueError("reuse_retrieved_context=True needs an engine built with "
                              "EngineConfig(asks=ASKSConfig.for_retrieved_context()) (asks.reuse_chunks is off)")
-        self._engine = engine if engine is not None else shared_engine(model)
+        self._engine = engine if engine is not None else shared_engine(model, device, dtype)
+        if self.context_window is not None and self.context_window > self._engine.context_window:
+            raise ValueError(f"context_window={self.context_window} exceeds the model's context window of "
+                             f"{self._engine.context_window} tokens; pass at most that (or leave it out)")
         self._verifier = make_verifier(self._engine, self.verifier)
 
     @field_validator("stop", mode="before")
@@ -643,3 +698,34 @@ def _chat_response(piece: _Piece) -> ChatResponse:
         delta=piece.delta, raw={"completion": piece.completion} if piece.completion else None,
         additional_kwargs=piece.extra,
     )
+
+
+def _huggingface_llm_arguments(
+    fields: dict[str, Any], model: Any, device: str, dtype: str
+) -> tuple[Any, str, str]:
+    """Translate (popping them from ``fields``) the arguments a ``HuggingFaceLLM`` user writes;
+    returns ``(model, device, dtype)``. See ``RKSCLLM``'s docstring for each one."""
+    for name, instead in _REFUSED_HUGGINGFACE_LLM_ARGUMENTS.items():
+        if name in fields:
+            raise TypeError(f"RKSCLLM does not take {name}: {instead}")
+    if "model_name" in fields:
+        if model is not None:
+            raise ValueError("pass either model or model_name (the same thing), not both")
+        model = local_model_dir(fields.pop("model_name"), "model_name")
+    if "tokenizer_name" in fields:
+        tokenizer_dir = fields.pop("tokenizer_name")
+        if model is None or Path(str(tokenizer_dir)).resolve() != Path(str(model)).resolve():
+            raise ValueError(f"tokenizer_name={str(tokenizer_dir)!r} is not the model's directory; rksc loads the "
+                             f"tokenizer saved with the model: drop tokenizer_name, or save that tokenizer into the "
+                             f"model directory")
+    loading: dict[str, Any] = {}
+    if "model_kwargs" in fields:
+        loading.update(loading_from_model_kwargs(fields.pop("model_kwargs"), "model_kwargs"))
+    if "device_map" in fields:
+        put_settings(loading, {"device": device_from_device_map(fields.pop("device_map"), "device_map")}, "device_map")
+    if "device" in loading and device != "auto":
+        raise ValueError("pass either device or device_map, not both")
+    if "generate_kwargs" in fields:
+        put_settings(fields, sampling_from_generate_kwargs(fields.pop("generate_kwargs"), "generate_kwargs"),
+                     "generate_kwargs")
+    return model, loading.get("device", device), loading.get("dtype", dtype)

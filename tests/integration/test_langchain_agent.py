@@ -1,21 +1,25 @@
-"""A LangGraph prebuilt ReAct agent with ChatRKSC and a calculator tool, end to end on the real
-default model; every step after the first is served from the prefix cache."""
+"""A LangGraph tool-calling agent (a model node and a ``ToolNode``, looped by ``tools_condition``) with
+ChatRKSC and a calculator tool, end to end on the real default model; every step after the first is
+served from the prefix cache. No deprecated LangGraph API is used (its warnings are errors here)."""
 
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("langgraph.prebuilt")
+pytest.importorskip("langgraph.warnings")
 
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.messages import AIMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
-from langgraph.prebuilt import create_react_agent  # noqa: E402
+from langgraph.graph import START, MessagesState, StateGraph  # noqa: E402
+from langgraph.prebuilt import ToolNode, tools_condition  # noqa: E402
 
 from rksc_integrations.langchain import ChatRKSC  # noqa: E402
 from tests.conftest import evaluate_arithmetic  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.filterwarnings("error::langgraph.warnings.LangGraphDeprecationWarning")]
 
 
 @tool
@@ -32,17 +36,24 @@ class StepRecorder(BaseCallbackHandler):
         self.usage.append(response.generations[0][0].message.usage_metadata)
 
 
-def test_a_react_agent_calls_the_calculator_answers_and_reuses_the_cached_prompt_each_step():
+def test_a_tool_calling_agent_calls_the_calculator_answers_and_reuses_the_cached_prompt_each_step():
     chat = ChatRKSC(max_tokens=32, temperature=0)
 
-    def pick_model(state, runtime):
+    def call_model(state: MessagesState) -> dict:
         # The first step must use the tool (a 135M model rarely starts a call unprompted); later
         # steps leave the choice to the model, with the same tools offered, so the prompt prefix
         # is the previous step's prompt and comes from the cache.
         used_tool = any(isinstance(m, ToolMessage) for m in state["messages"])
-        return chat.bind_tools([calculator], tool_choice=None if used_tool else "calculator")
+        model = chat.bind_tools([calculator], tool_choice=None if used_tool else "calculator")
+        return {"messages": [model.invoke(state["messages"])]}
 
-    agent = create_react_agent(pick_model, [calculator])
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", call_model)
+    graph.add_node("tools", ToolNode([calculator]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    agent = graph.compile()
     recorder = StepRecorder()
     result = agent.invoke(
         {"messages": [("user", "What is 12 * 7? Use the calculator.")]},

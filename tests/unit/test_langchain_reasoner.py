@@ -312,6 +312,25 @@ def test_a_failing_verifier_surfaces_as_an_error_and_the_engine_stays_usable(eng
     assert make_reasoner(engine).invoke(QUESTION).answer is not None
 
 
+def test_it_takes_the_settings_set_on_its_llm_as_defaults_and_its_own_arguments_win(engine):
+    chat = ChatRKSC(engine=engine, max_tokens=8, temperature=0, stop=["\n"], seed=5)
+    with pytest.warns(UserWarning, match="all 8 branches will be the same"):
+        reasoner = MultiBranchReasoner(llm=chat, answer_extractor=first_char, verifier=CountingVerifier())
+    assert (reasoner.max_new_tokens, reasoner.temperature, reasoner.stop, reasoner.seed) == (8, 0, ["\n"], 5)
+    assert reasoner.n == 8 and reasoner.top_p == 0.95, "settings not set on the llm keep the reasoner's defaults"
+    with pytest.warns(UserWarning, match="branches will be the same"):  # on every call too
+        output = reasoner.invoke(QUESTION)
+    assert all(c.num_generated_tokens <= 8 and "\n" not in c.text for c in output.result.completions)
+    assert len({c.text for c in output.result.completions}) == 1, "greedy branches should all be the same"
+    mine = MultiBranchReasoner(llm=chat, max_tokens=4, temperature=0.9, stop=None)
+    assert (mine.max_new_tokens, mine.temperature, mine.stop, mine.seed) == (4, 0.9, None, 5)
+    # A LangChain RKSCLLM and a LlamaIndex RKSCLLM (whose branches are the reasoner's n) give theirs too.
+    assert MultiBranchReasoner(llm=RKSCLLM(engine=engine, max_tokens=6, n=3, temperature=0.5)).n == 3
+    llama_index = pytest.importorskip("rksc_integrations.llama_index")
+    from_llama = MultiBranchReasoner(llm=llama_index.RKSCLLM(engine=engine, branches=2, max_new_tokens=7, top_k=4))
+    assert (from_llama.n, from_llama.max_new_tokens, from_llama.top_k, from_llama.temperature) == (2, 7, 4, 0.7)
+
+
 def test_it_is_built_from_a_chat_model_an_llm_or_an_engine_and_rejects_bad_settings(engine):
     assert MultiBranchReasoner(ChatRKSC(engine=engine)).engine is engine
     assert MultiBranchReasoner(llm=RKSCLLM(engine=engine)).engine is engine
