@@ -44,40 +44,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from rksc_bench import harness
+from rksc_bench.prompts import shots_to_length
+from rksc_bench.reworded_prompts import AGENT_WORKLOAD, GREEDY_WINDOW, WORDINGS, answer_of, answer_settled
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
 from rksc_engine.evaluation.calibration import wilson_interval
 from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
-from rksc_engine.reasoning.answers import extract_gsm8k_answer
-from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
-
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks.json"
-GREEDY_WINDOW = 32
-
-WORDINGS = [
-    "You solve grade-school math word problems. Reason step by step in short sentences, then give the "
-    "final answer on its own line as '#### <number>'.",
-    "Solve the grade-school math word problem. Think step by step in brief sentences and put the final "
-    "answer alone on the last line as '#### <number>'.",
-    "You are a careful math tutor. Work through each problem step by step, briefly, and finish with the "
-    "answer on its own line in the form '#### <number>'.",
-    "Answer the arithmetic word problem. Show short step-by-step reasoning, then write the final number "
-    "on a separate line as '#### <number>'.",
-    "Reason through the math problem one short step at a time. End with a line containing only '#### ' "
-    "followed by the answer.",
-    "Work out the answer to this word problem with brief step-by-step reasoning; the last line must be "
-    "'#### <number>'.",
-    "Please solve the following math question. Explain your steps concisely and state the final answer "
-    "as '#### <number>' on its own line.",
-    "Compute the answer step by step using short sentences, and report it at the end as '#### <number>'.",
-]
+from rksc_engine.reasoning.few_shot import few_shot_messages
 
 TOOLS = [
     ("search_flights", "Find flights between two airports on a date.", ["origin", "destination", "date"]),
@@ -147,16 +126,6 @@ def agent_system(header: tuple[str, str, str]) -> str:
             '{"name": ..., "arguments": {...}}, or answer the user directly. Tools:\n' + tools)
 
 
-def shots_for(pool: list[Problem], start: int, engine: RKSCEngine, target_tokens: int) -> list[Problem]:
-    """Consecutive problems from ``pool`` until the few-shot prompt has about ``target_tokens`` tokens."""
-    shots: list[Problem] = []
-    i = start
-    while len(engine.encode(few_shot_messages("?", shots))) < target_tokens:
-        shots.append(pool[i % len(pool)])
-        i += 1
-    return shots
-
-
 def build_requests(engine: RKSCEngine, args: argparse.Namespace) -> list[Request]:
     if args.data:
         pool = load_gsm8k_jsonl(args.data, limit=400)
@@ -165,7 +134,7 @@ def build_requests(engine: RKSCEngine, args: argparse.Namespace) -> list[Request
     questions = synthetic_problems(args.questions, seed=args.seed + 1000) if not args.data else pool[-args.questions:]
     requests = []
     for q, problem in enumerate(questions):
-        shots = shots_for(pool, q * 37, engine, args.context_tokens)
+        shots = shots_to_length(engine, "?", pool, args.context_tokens, start=q * 37)
         for w in range(args.wordings):
             messages = few_shot_messages(problem.question, shots, system_prompt=WORDINGS[w])
             requests.append(Request("prompt-ensemble SC", f"q{q}/w{w}", engine.encode(messages)))
@@ -173,11 +142,8 @@ def build_requests(engine: RKSCEngine, args: argparse.Namespace) -> list[Request
         messages = [{"role": "system", "content": agent_system(HEADERS[c % len(HEADERS)])}]
         messages += [{"role": r, "content": t} for r, t in HISTORY]
         messages.append({"role": "user", "content": AGENT_REQUESTS[c % len(AGENT_REQUESTS)]})
-        requests.append(Request("agent template", f"call{c}", engine.encode(messages)))
+        requests.append(Request(AGENT_WORKLOAD, f"call{c}", engine.encode(messages)))
     return requests
-
-
-GSM8K_DONE = re.compile(r"####\s*-?[\d,.]+\s*\n")
 
 
 @torch.inference_mode()
@@ -196,22 +162,6 @@ def greedy_from(engine: RKSCEngine, prefilled, workload: str, max_new_tokens: in
     return tokens
 
 
-def answer_settled(engine: RKSCEngine, workload: str, tokens: list[int]) -> bool:
-    """Whether a greedy decode can stop: at least ``GREEDY_WINDOW`` tokens are out and the final
-    answer is settled (SC: a finished ``#### x`` line; agent: the first line is complete)."""
-    if len(tokens) < GREEDY_WINDOW:
-        return False
-    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    return "\n" in text.strip() if workload == "agent template" else bool(GSM8K_DONE.search(text))
-
-
-def answer_of(engine: RKSCEngine, workload: str, tokens: list[int]) -> str | None:
-    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    if workload == "agent template":
-        return " ".join(text.strip().splitlines()[0].split()) if text.strip() else ""
-    return extract_gsm8k_answer(text)
-
-
 def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     ref = torch.log_softmax(ref_logits.double(), -1)
     got = torch.log_softmax(logits.double(), -1)
@@ -219,7 +169,7 @@ def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    base = RKSCEngine.from_pretrained(args.model, dtype=args.dtype, progress=True)
+    base = harness.load_engine(args, progress=True)
     model, tokenizer = base.model, base.tokenizer
     common = dict(decode_attention="dynamic_cache")
     arms: dict[str, RKSCEngine] = {"exact": RKSCEngine(model, tokenizer, EngineConfig(**common))}
@@ -332,44 +282,34 @@ def table(result: dict) -> tuple[str, list[dict]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto")
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_dtype()
     parser.add_argument("--data", default=None, help="GSM8K-format JSONL for shots and questions (default: synthetic)")
-    parser.add_argument("--questions", type=int, default=1)
+    parser.add_count("--questions", 1)
     parser.add_argument("--wordings", type=int, default=6, choices=range(2, len(WORDINGS) + 1))
     parser.add_argument("--agent-calls", type=int, default=4)
     parser.add_argument("--context-tokens", type=int, default=1300, help="few-shot prompt length to reach")
-    floats = lambda text: [float(x) for x in text.split(",") if x]  # noqa: E731
-    parser.add_argument("--taus", type=floats, default=[0.98, 0.0], help="thresholds run as arms (0 always runs)")
-    parser.add_argument("--derived-taus", type=floats, default=[0.995, 0.99, 0.97, 0.95, 0.9],
+    parser.add_argument("--taus", type=harness.float_list, default=[0.98, 0.0], help="thresholds run as arms (0 always runs)")
+    parser.add_argument("--derived-taus", type=harness.float_list, default=[0.995, 0.99, 0.97, 0.95, 0.9],
                         help="thresholds derived from the tau=0 arm's sigmas (outcomes measured, timings estimated)")
-    parser.add_argument("--recompute", type=floats, default=[0.25])
+    parser.add_argument("--recompute", type=harness.float_list, default=[0.25])
     parser.add_argument("--alpha", type=float, default=1.0)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    parser.add_max_new_tokens(64)
+    parser.add_seed(0, "seed of the synthetic problems")
+    parser.add_threads()
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    harness.start_run(args)
     torch.set_grad_enabled(False)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     result = run(args)
     text, summary = table(result)
     print(text)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s; timings on a shared machine, compare ratios only")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    payload = dict(
-        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        summary=summary,
-        records=result["records"],
-    )
-    args.json_out.write_text(json.dumps(payload, indent=1))
+    harness.write_json(args.json_out, dict(args=vars(args), summary=summary, records=result["records"]))
 
 
 if __name__ == "__main__":

@@ -44,14 +44,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-# benchmarks/asks.py: Python puts a script's own folder on sys.path.
-from asks import WORDINGS, answer_of, answer_settled, shots_for
+from rksc_bench import harness
+from rksc_bench.prompts import shots_to_length
+from rksc_bench.reworded_prompts import WORDINGS, answer_of, answer_settled
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
 from rksc_engine.evaluation.calibration import wilson_interval
 from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
 from rksc_engine.reasoning.few_shot import few_shot_messages
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "asks_fidelity.json"
 WORKLOAD = "prompt-ensemble SC"
 
 
@@ -115,7 +115,7 @@ def build_requests(base: RKSCEngine, args: argparse.Namespace) -> list[tuple[int
         questions = synthetic_problems(args.questions, seed=args.seed + 1000)
     out = []
     for q, problem in enumerate(questions):
-        shots = shots_for(pool, q * 37, base, args.context_tokens)
+        shots = shots_to_length(base, "?", pool, args.context_tokens, start=q * 37)
         for w in range(args.wordings):
             messages = few_shot_messages(problem.question, shots, system_prompt=WORDINGS[w % len(WORDINGS)])
             out.append((q, w, base.encode(messages)))
@@ -125,7 +125,7 @@ def build_requests(base: RKSCEngine, args: argparse.Namespace) -> list[tuple[int
 def run(args: argparse.Namespace) -> list[dict]:
     """Every measured request's rows; each request's rows are also appended to ``--records-out``
     (JSON lines) as soon as it is decoded, so a long run that is stopped still leaves its data."""
-    base = RKSCEngine.from_pretrained(args.model, progress=True)
+    base = harness.load_engine(args, progress=True)
     args.records_out.parent.mkdir(parents=True, exist_ok=True)
     args.records_out.write_text("")
     arms = build_arms(base, args)
@@ -226,22 +226,19 @@ def report(records: list[dict], args: argparse.Namespace) -> tuple[str, list[dic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    floats = lambda text: [float(x) for x in text.split(",") if x]  # noqa: E731
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: embedded SmolLM2-135M)")
+    parser = harness.bench_parser(__file__, __doc__)
     parser.add_argument("--data", default=None, help="GSM8K-format JSONL for shots and questions (default: synthetic)")
-    parser.add_argument("--questions", type=int, default=16)
+    parser.add_count("--questions", 16)
     parser.add_argument("--wordings", type=int, default=6, help="per question; wording 0 only seeds the caches")
     parser.add_argument("--context-tokens", type=int, default=1300)
-    parser.add_argument("--recompute", type=floats, default=[0.0, 0.15, 0.3], help="deviation-ranked shares")
-    parser.add_argument("--nearest", type=floats, default=[0.3], help="nearest-first shares")
-    parser.add_argument("--gate-taus", type=floats, default=[0.98, 0.975, 0.97])
-    parser.add_argument("--gate-deviations", type=floats, default=[0.0015, 0.002, 0.003, 0.005])
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    parser.add_argument("--records-out", type=Path, default=DEFAULT_JSON_OUT.with_suffix(".jsonl"),
+    parser.add_argument("--recompute", type=harness.float_list, default=[0.0, 0.15, 0.3], help="deviation-ranked shares")
+    parser.add_argument("--nearest", type=harness.float_list, default=[0.3], help="nearest-first shares")
+    parser.add_argument("--gate-taus", type=harness.float_list, default=[0.98, 0.975, 0.97])
+    parser.add_argument("--gate-deviations", type=harness.float_list, default=[0.0015, 0.002, 0.003, 0.005])
+    parser.add_max_new_tokens(256)
+    parser.add_seed(0, "seed of the synthetic problems")
+    parser.add_threads()
+    parser.add_argument("--records-out", type=Path, default=harness.results_path(__file__, "asks_fidelity.jsonl"),
                         help="per-request rows, appended as the run goes")
     parser.add_argument("--report-only", action="store_true",
                         help="print the table from an existing --records-out file, running nothing")
@@ -254,20 +251,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_grad_enabled(False)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     if args.report_only:
         records = [json.loads(line) for line in args.records_out.read_text().splitlines() if line.strip()]
     else:
+        harness.start_run(args)
         records = run(args)
     text, summary = report(records, args)
     print(text)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(dict(
-        args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        summary=summary, records=records), indent=1))
+    harness.write_json(args.json_out, dict(args=vars(args), summary=summary, records=records))
 
 
 if __name__ == "__main__":

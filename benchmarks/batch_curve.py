@@ -30,79 +30,45 @@ top operators by self CPU time: what a step spends per request, beyond the rows.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
+import functools
 
 import torch
 
-from rksc_engine import EngineConfig, RequestHandle, RKSCEngine, SamplingParams, SchedulerConfig
-
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "batch_curve.json"
-TOPICS = ("rivers", "bread", "owls", "volcanoes", "chess", "tides", "bees", "glass", "comets", "maps",
-          "tea", "bridges", "whales", "clocks", "salt", "kites")
+from rksc_bench import harness
+from rksc_bench.prompts import CHAT_ARMS, submit_independent
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--rows", default="1,4,8,16,32,64", help="comma-separated batch sizes (default 1,4,8,16,32,64)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per row (default 64)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
-    parser.add_argument("--profile", type=int, default=None, help="profile one step loop at this many rows")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    try:
-        args.row_counts = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
-    if any(r < 1 for r in args.row_counts):
-        parser.error("--rows must all be >= 1")
-    for name in ("max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.profile is not None and args.profile < 1:
-        parser.error("--profile must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_argument("--rows", type=harness.positive_int_list, default="1,4,8,16,32,64",
+                        help="comma-separated batch sizes (default 1,4,8,16,32,64)")
+    parser.add_max_new_tokens(64, "tokens per row")
+    parser.add_repeats(2)
+    parser.add_argument("--profile", type=harness.positive_int, default=None,
+                        help="profile one step loop at this many rows")
+    return parser.parse_args(argv)
 
 
-def chat(i: int) -> list[dict[str, str]]:
-    topic = TOPICS[i % len(TOPICS)]
-    return [{"role": "user", "content": f"Write a long essay about {topic} (essay {i})."}]
-
-
-def independent(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[RequestHandle]:
-    return [engine.submit(chat(i), 1, params) for i in range(rows)]
-
-
-def siblings(engine: RKSCEngine, rows: int, params: SamplingParams) -> list[RequestHandle]:
-    return [engine.submit(chat(0), rows, params)]
-
-
-# Each arm submits its requests and returns their handles.
-ARMS = {"independent": independent, "siblings": siblings}
+def generated_tokens(engine: RKSCEngine, arm, rows: int, params: SamplingParams) -> int:
+    """Submit ``arm``'s requests of ``rows`` rows on ``engine`` and wait: the tokens they generated."""
+    return sum(len(c.token_ids) for h in arm(engine, rows, params) for c in h.result())
 
 
 def curve(engine: RKSCEngine, variants: dict[str, RKSCEngine], args: argparse.Namespace) -> list[dict]:
     """The table; ``variants`` are the same model under other settings (``one_by_one``,
     ``tails_in_place``), each running the independent requests for a column of its own."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    runs = [(name, engine, arm) for name, arm in ARMS.items()] + [(name, v, independent) for name, v in variants.items()]
+    runs = {name: (engine, arm) for name, arm in CHAT_ARMS.items()}
+    runs.update((name, (variant, submit_independent)) for name, variant in variants.items())
     table = []
-    for rows in args.row_counts:
-        walls: dict[str, list[float]] = {name: [] for name, _, _ in runs}
-        tokens: dict[str, int] = {}
-        for _ in range(args.repeats):
-            for name, runner, arm in runs:
-                runner.clear_cache()
-                start = time.perf_counter()
-                tokens[name] = sum(len(c.token_ids) for h in arm(runner, rows, params) for c in h.result())
-                walls[name].append(time.perf_counter() - start)
+    for rows in args.rows:
+        arms = {name: functools.partial(generated_tokens, runner, arm, rows, params) for name, (runner, arm) in runs.items()}
+        timings = harness.side_by_side(arms, args.repeats, before=lambda name: runs[name][0].clear_cache())
         row = {"rows": rows}
-        for name, _, _ in runs:
-            row[f"{name}_tok_s"] = tokens[name] / statistics.median(walls[name])
-            row[f"{name}_tokens"] = tokens[name]
+        for name, timing in timings.items():
+            row[f"{name}_tok_s"] = timing.result / timing.median_s
+            row[f"{name}_tokens"] = timing.result
         row["ratio"] = row["independent_tok_s"] / row["siblings_tok_s"]
         row["packed_gain"] = row["independent_tok_s"] / row["one_by_one_tok_s"]
         row["tail_copy_gain"] = row["independent_tok_s"] / row["tails_in_place_tok_s"]
@@ -120,7 +86,7 @@ def curve(engine: RKSCEngine, variants: dict[str, RKSCEngine], args: argparse.Na
 def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     out = {}
-    for name, arm in ARMS.items():
+    for name, arm in CHAT_ARMS.items():
         engine.clear_cache()
         # The profiler records the thread it runs on, so this thread drives the steps itself: inside
         # ``exclusive()`` the scheduler's own thread cannot take a step.
@@ -146,7 +112,8 @@ def profile(engine: RKSCEngine, rows: int, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
+    harness.start_run(args)
+    engine = harness.load_engine(args)
     variants = {
         "one_by_one": RKSCEngine(engine.model, engine.tokenizer,
                                  EngineConfig(scheduler=SchedulerConfig(packed_prefill=False))),
@@ -156,8 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                                      EngineConfig(scheduler=SchedulerConfig(max_pooled_suffix_tokens=0))),
         "linear_products": RKSCEngine(engine.model, engine.tokenizer, EngineConfig(decode_matmul="linear")),
     }
-    for warm in (engine, *variants.values()):
-        warm.generate("warm up", SamplingParams(max_new_tokens=4))
+    harness.warm_up(engine, *variants.values())
     print("| rows | independent tok/s | prompts prefilled one by one | own prompt tokens read in place | "
           "suffixes apart | siblings tok/s | independent / siblings | apart / siblings | packed prefill gain | "
           "tail copy gain | pool gain | linear products tok/s | weight-left gain |\n"
@@ -165,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"max_new_tokens": args.max_new_tokens, "curve": curve(engine, variants, args)}
     if args.profile is not None:
         report["profile"] = profile(engine, args.profile, args)
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

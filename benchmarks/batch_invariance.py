@@ -16,30 +16,22 @@ Two measurements on the model's own weight shapes:
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
-from batch_curve import chat
+from rksc_bench import harness
+from rksc_bench.prompts import essay_chat
 from rksc_engine import RKSCEngine, SamplingParams
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "batch_invariance.json"
 BATCH_ROWS = (1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 24, 32, 48, 64, 128)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--requests", type=int, default=24, help="greedy chat requests (default 24)")
-    parser.add_argument("--branches", type=int, default=16, help="sampled branches of one request (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    for name in ("requests", "branches", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--requests", 24, "greedy chat requests")
+    parser.add_count("--branches", 16, "sampled branches of one request")
+    parser.add_max_new_tokens(64, "tokens per request")
+    return parser.parse_args(argv)
 
 
 def gemm_classes(weight: torch.Tensor) -> list[list[int]]:
@@ -68,14 +60,15 @@ def greedy_tokens(engine: RKSCEngine, count: int, group: int, params: SamplingPa
     tokens: list[list[int]] = []
     for start in range(0, count, group):
         engine.clear_cache()
-        handles = [engine.submit(chat(i), 1, params) for i in range(start, min(count, start + group))]
+        handles = [engine.submit(essay_chat(i), 1, params) for i in range(start, min(count, start + group))]
         tokens += [h.result()[0].token_ids for h in handles]
     return tokens
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
+    harness.start_run(args)
+    engine = harness.load_engine(args)
     report: dict = {"gemm": {}, "tokens": {}}
     seen_shapes = set()
     print("| weight (out x in) | batch sizes whose bits agree for a row |\n|---|---|")
@@ -100,19 +93,18 @@ def main(argv: list[str] | None = None) -> None:
     seed = 7
     sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8, seed=seed)
     engine.clear_cache()
-    together = engine.submit(chat(0), args.branches, sampled).result()
+    together = engine.submit(essay_chat(0), args.branches, sampled).result()
     differ, firsts = 0, []
     for branch in range(args.branches):
         engine.clear_cache()
-        one = engine.submit(chat(0), 1, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8,
+        one = engine.submit(essay_chat(0), 1, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.8,
                                                        seed=seed + branch)).result()[0]
         if one.token_ids != together[branch].token_ids:
             differ += 1
             firsts.append(first_difference(one.token_ids, together[branch].token_ids))
     report["tokens"]["sampled_branches"] = {"differ": differ, "of": args.branches, "first": firsts}
     print(f"| sampled, {args.branches} siblings vs each alone | {differ}/{args.branches} | {firsts or '-'} |")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

@@ -28,24 +28,28 @@ Run it (results also go to ``benchmarks/results/branches.json``):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from rksc_bench import harness
+from rksc_bench.branch_runs import (
+    TEMPERATURE,
+    TOP_P,
+    RunResult,
+    hf_generate,
+    run_hf_batched,
+    run_hf_sequential,
+    run_rksc,
+)
+from rksc_bench.prompts import few_shot_prompt_ids
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
-from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
+from rksc_engine.reasoning.few_shot import Problem
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "branches.json"
-TEMPERATURE = 0.7
-TOP_P = 0.95
 # Enough synthetic problems to pass any sensible --prompt-tokens (each shot is ~100 tokens).
 SYNTHETIC_POOL = 400
 
@@ -53,15 +57,6 @@ ARM_RKSC_COLD = "rksc cold (1 prefill)"
 ARM_RKSC_WARM = "rksc warm (prompt cached)"
 ARM_HF_BATCH = "HF generate(num_return_sequences=n)"
 ARM_HF_SEQUENTIAL = "HF generate x n sequential"
-
-
-@dataclass
-class RunResult:
-    """What one timed run of one arm did."""
-
-    wall_s: float
-    prompt_tokens_computed: int
-    generated_tokens: int
 
 
 @dataclass
@@ -79,60 +74,22 @@ class ArmSummary:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model", default=None, help="local HF model directory (default: the embedded SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--branches", type=int, default=8, help="branches per prompt (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="token budget per branch (default 64)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm; the median is reported (default 2)")
-    parser.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=1300,
-        help="add few-shot examples until the prompt has at least this many tokens (default 1300)",
-    )
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--branches", 8, "branches per prompt")
+    parser.add_max_new_tokens(64, "token budget per branch")
+    parser.add_repeats(2)
+    parser.add_count("--prompt-tokens", 1300, "add few-shot examples until the prompt has at least this many tokens")
     parser.add_argument(
         "--shots-from",
         type=Path,
         default=None,
         help="GSM8K-format JSONL to take the question and shots from (default: synthetic problems)",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the synthetic problems and of sampling (default 0)"
-    )
-    parser.add_argument(
-        "--json-out",
-        type=Path,
-        default=DEFAULT_JSON_OUT,
-        help=f"where to write the results (default {DEFAULT_JSON_OUT})",
-    )
-    args = parser.parse_args(argv)
-    for name in ("branches", "max_new_tokens", "repeats", "prompt_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser.add_seed(0, "seed of the synthetic problems and of sampling")
+    return parser.parse_args(argv)
 
 
 # -- the prompt ----------------------------------------------------------------------------------
-def build_prompt_ids(engine: RKSCEngine, problems: list[Problem], target_tokens: int) -> tuple[list[int], int]:
-    """Few-shot prompt token ids: ``problems[0]`` is the question, shots are added from the rest
-    until the rendered prompt reaches ``target_tokens``.
-
-    Returns:
-        ``(token_ids, number_of_shots)``.
-    """
-    question, pool = problems[0].question, problems[1:]
-    ids = engine.encode(few_shot_messages(question, []))
-    num_shots = 0
-    while len(ids) < target_tokens and num_shots < len(pool):
-        num_shots += 1
-        ids = engine.encode(few_shot_messages(question, pool[:num_shots]))
-    if len(ids) < target_tokens:
-        print(f"warning: only {len(ids)} prompt tokens with all {num_shots} available shots", file=sys.stderr)
-    return ids, num_shots
-
-
 def load_problems(shots_from: Path | None, seed: int) -> list[Problem]:
     """The question plus candidate shots: from a GSM8K JSONL file, else seeded synthetic problems."""
     if shots_from is not None:
@@ -141,78 +98,6 @@ def load_problems(shots_from: Path | None, seed: int) -> list[Problem]:
             raise SystemExit(f"{shots_from} holds no problems")
         return problems
     return synthetic_problems(SYNTHETIC_POOL, seed)
-
-
-# -- the arms --------------------------------------------------------------------------------------
-def timed(fn: Callable[[], int]) -> tuple[float, int]:
-    """Run ``fn`` and return ``(wall seconds, fn's result)``."""
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def run_rksc(engine: RKSCEngine, prompt_ids: list[int], n: int, params: SamplingParams) -> RunResult:
-    """One ``generate_branches`` call; prompt tokens computed come from the engine's own counters."""
-    before = engine.stats()
-    wall_s, generated = timed(
-        lambda: sum(c.num_generated_tokens for c in engine.generate_branches(prompt_ids, n, params))
-    )
-    computed = engine.stats().prompt_tokens_computed - before.prompt_tokens_computed
-    return RunResult(wall_s, computed, generated)
-
-
-def count_generated(new_tokens: torch.Tensor, eos_ids: set[int]) -> int:
-    """Generated tokens in a (rows, steps) block, each row counted up to and including its first EOS.
-
-    HF pads rows that finished early (here the pad id is the EOS id), so that padding is cut off.
-    """
-    total = 0
-    for row in new_tokens.tolist():
-        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
-        total += end
-    return total
-
-
-def hf_eos_ids(model) -> set[int]:
-    """The EOS ids ``model.generate`` stops on."""
-    eos = model.generation_config.eos_token_id
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
-
-
-def hf_generate(model, input_ids: torch.Tensor, num_return_sequences: int, max_new_tokens: int) -> torch.Tensor:
-    """Sampled ``model.generate``; returns only the generated part, shape (num_return_sequences, steps)."""
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=True,
-        temperature=TEMPERATURE,
-        top_p=TOP_P,
-        top_k=0,  # HF would otherwise default to top-k 50; rksc samples with top-k off
-        max_new_tokens=max_new_tokens,
-        num_return_sequences=num_return_sequences,
-        pad_token_id=model.generation_config.pad_token_id,
-    )
-    return output[:, input_ids.shape[1] :]
-
-
-def run_hf_batched(model, input_ids: torch.Tensor, n: int, max_new_tokens: int, seed: int) -> RunResult:
-    """One ``generate(num_return_sequences=n)``: HF repeats the prompt n times, so it prefills n*T tokens."""
-    torch.manual_seed(seed)
-    eos_ids = hf_eos_ids(model)
-    wall_s, generated = timed(lambda: count_generated(hf_generate(model, input_ids, n, max_new_tokens), eos_ids))
-    return RunResult(wall_s, n * input_ids.shape[1], generated)
-
-
-def run_hf_sequential(model, input_ids: torch.Tensor, n: int, max_new_tokens: int, seed: int) -> RunResult:
-    """n separate ``generate`` calls, each prefilling the whole prompt: n*T prompt tokens."""
-    torch.manual_seed(seed)
-    eos_ids = hf_eos_ids(model)
-
-    def all_calls() -> int:
-        return sum(count_generated(hf_generate(model, input_ids, 1, max_new_tokens), eos_ids) for _ in range(n))
-
-    wall_s, generated = timed(all_calls)
-    return RunResult(wall_s, n * input_ids.shape[1], generated)
 
 
 def run_one_repeat(
@@ -274,16 +159,11 @@ def markdown_table(rows: list[ArmSummary]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, setup: dict, rows: list[ArmSummary]) -> None:
-    """Write the setup and every row (with per-repeat times) as JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"setup": setup, "arms": [asdict(r) for r in rows]}, indent=2) + "\n", encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
-    prompt_ids, num_shots = build_prompt_ids(engine, load_problems(args.shots_from, args.seed), args.prompt_tokens)
+    harness.start_run(args)
+    engine = harness.load_engine(args)
+    prompt_ids, num_shots = few_shot_prompt_ids(engine, load_problems(args.shots_from, args.seed), args.prompt_tokens)
     setup = {
         "model": engine.model_name,
         "device": str(engine.device),
@@ -315,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarise(per_repeat)
     print()
     print(markdown_table(rows))
-    write_json(args.json_out, setup, rows)
+    harness.write_json(args.json_out, {"setup": setup, "arms": [asdict(r) for r in rows]})
     print(f"\nwrote {args.json_out}")
 
 

@@ -16,35 +16,27 @@ them (``rksc_engine/runtime/cpu_threads.py``). Two measurements, side by side in
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from batch_curve import independent
+from rksc_bench import harness
+from rksc_bench.prompts import submit_independent
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.runtime import cpu_threads, scheduler
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "cpu_threads.json"
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--rows", type=int, default=16, help="independent requests in the engine arm (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
-    parser.add_argument("--calls", type=int, default=2000, help="attention calls per kernel measurement")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per engine setting, alternated (default 2)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    for name in ("rows", "max_new_tokens", "calls", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--rows", 16, "independent requests in the engine arm")
+    parser.add_max_new_tokens(64, "tokens per request")
+    parser.add_count("--calls", 2000, "attention calls per kernel measurement")
+    parser.add_repeats(2, "runs per engine setting, alternated")
+    return parser.parse_args(argv)
 
 
 def small_attention_us(calls: int) -> float:
@@ -95,12 +87,12 @@ def kernel(calls: int) -> dict[str, float]:
 
 def engine_steps(engine: RKSCEngine, args: argparse.Namespace) -> dict[str, float]:
     """Decode ``rows`` independent requests driven by this thread, right after the loop served one."""
-    engine.generate("warm up", SamplingParams(max_new_tokens=4))  # the scheduler's thread now has a team
+    harness.warm_up(engine)  # the scheduler's thread now has a team
     engine.clear_cache()
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     with engine.exclusive():
         start = time.perf_counter()
-        handles = independent(engine, args.rows, params)
+        handles = submit_independent(engine, args.rows, params)
         step_s = []
         while not all(h.done() for h in handles):
             tick = time.perf_counter()
@@ -113,6 +105,7 @@ def engine_steps(engine: RKSCEngine, args: argparse.Namespace) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    harness.start_run(args)
     if not cpu_threads.gnu_openmp_loaded():
         print("this PyTorch does not run on GNU OpenMP: nothing to measure")
         return
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in report["kernel_us"].items():
         print(f"| {name} | {value:.1f} |")
 
-    engine = RKSCEngine.from_pretrained(args.model)
+    engine = harness.load_engine(args)
     settings = {"idle threads let their workers go": cpu_threads.release_openmp_workers,
                 "turned off": lambda: False}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in settings}
@@ -139,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         step_ms = statistics.median(r["median_step_ms"] for r in results)
         report["engine"][name] = {"tok_s": tok_s, "median_step_ms": step_ms, "runs": results}
         print(f"| {name} | {tok_s:.1f} | {step_ms:.1f} |")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

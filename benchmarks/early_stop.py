@@ -48,14 +48,17 @@ import json
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from rksc_engine import RKSCEngine, SamplingParams
+from rksc_bench import harness
+from rksc_bench.early_stop_replay import BranchTexts, Replayed, replay_question
+from rksc_bench.plots import pyplot, save_figure
+from rksc_engine import SamplingParams
 from rksc_engine.evaluation.calibration import wilson_interval
 from rksc_engine.evaluation.workloads import (
     LADDER_LEVELS,
@@ -66,18 +69,14 @@ from rksc_engine.evaluation.workloads import (
     synthetic_problems,
 )
 from rksc_engine.reasoning.answers import extract_gsm8k_answer
-from rksc_engine.reasoning.cgee import summarise_votes
 from rksc_engine.reasoning.early_stop import (
     AdaptiveConfig,
     AnsweredConfig,
     ConfidenceConfig,
     EarlyStopConfig,
-    EarlyStopMonitor,
     LengthConfig,
 )
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
-from rksc_engine.results import BranchEvent, Completion
-from rksc_engine.runtime.branch_output import first_stop
 
 PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=160, stop=("<|im_end|>",))
 # A batched decode step on this CPU costs about STEP_S plus ROW_S per live row (the default model,
@@ -115,7 +114,7 @@ def read_records(path: Path) -> list[dict]:
 
 # -- record -------------------------------------------------------------------------------------------
 def record(args: argparse.Namespace) -> None:
-    engine = RKSCEngine.from_pretrained(args.model)
+    engine = harness.load_engine(args)
     shots, questions = load_workload(args)
     params = replace(PARAMS, max_new_tokens=args.max_new_tokens)
     out = Path(args.out)
@@ -149,120 +148,7 @@ def record(args: argparse.Namespace) -> None:
             break
 
 
-# -- replay -------------------------------------------------------------------------------------------
-@dataclass
-class Replayed:
-    """One question under one rule: what the vote and the decoding would have been."""
-
-    winner: str | None
-    decode_tokens: int
-    steps: int  # scheduler steps the request spanned (its latency, in steps)
-    row_steps: int  # sum over steps of live rows (what a batch pays)
-    launched: int
-    cancelled: int
-
-
-class BranchTexts:
-    """Each branch's text after its first k tokens, decoded on demand and kept for the question."""
-
-    def __init__(self, tokenizer, branches: list[dict], stop: Sequence[str] = ()):
-        self._tokenizer, self._branches, self._stop = tokenizer, branches, tuple(stop)
-        self._cache: dict[tuple[int, int], str] = {}
-
-    def text(self, b: int, k: int) -> str:
-        branch = self._branches[b]
-        if k >= len(branch["tokens"]):
-            return branch["text"]
-        key = (b, k)
-        if key not in self._cache:
-            text = self._tokenizer.decode(branch["tokens"][:k], skip_special_tokens=True)
-            cut = first_stop(text, self._stop) if self._stop else None  # as the scheduler cuts it
-            self._cache[key] = text if cut is None else text[:cut]
-        return self._cache[key]
-
-
-def replay_question(rec: dict, n: int, config: EarlyStopConfig | None, texts: BranchTexts,
-                    extract: Callable[[str], str | None]) -> Replayed:
-    """Run the recorded branches 0..n-1 through ``config``'s monitor as the scheduler runs them."""
-    branches = rec["branches"][:n]
-    if config is None:
-        completions = [_completion(branches[b], b, len(branches[b]["tokens"]), branches[b]["text"], False)
-                       for b in range(n)]
-        summary = summarise_votes([extract(c.text) for c in completions], [c.confidence for c in completions])
-        lengths = [len(b["tokens"]) for b in branches]
-        return Replayed(summary.winner, sum(lengths), max(lengths), sum(lengths), n, 0)
-    monitor = EarlyStopMonitor(config, n=n, extract=extract, max_new_tokens=rec["max_new_tokens"])
-    position: dict[int, int] = {}
-    running: set[int] = set()
-    cancelled: set[int] = set()
-    pending: set[int] = set()
-    members: list[list[int]] = []
-    totals = {"tokens": 0}
-
-    def launch(count: int) -> list[int]:
-        first = len(position)
-        wave = list(range(first, first + count))
-        for b in wave:
-            position[b] = 0
-            running.add(b)
-        members.append(wave)
-        return wave
-
-    def advance(wave: list[int]) -> None:
-        # The scheduler's _advance for one member request: sample, observe, stop, fork.
-        rows = [b for b in wave if b in running]
-        events = []
-        for b in rows:
-            branch = branches[b]
-            position[b] += 1
-            k = position[b]
-            finished = k >= len(branch["tokens"])
-            text = texts.text(b, k) if (finished or config.answered) else ""
-            completion = _completion(branch, b, k, text, False) if finished else None
-            events.append(BranchEvent(b, branch["tokens"][k - 1], branch["logprobs"][k - 1], k, text, completion))
-            if finished:
-                running.discard(b)
-        totals["tokens"] += len(rows)
-        control = monitor.observe(events)
-        if control is not None:
-            pending.update(set(control.stop) & running)
-            if control.add:
-                add = min(control.add, n - len(position))
-                if add > 0:
-                    advance(launch(add))
-        for b in rows:
-            if b in running and b in pending:
-                running.discard(b)
-                cancelled.add(b)
-                pending.discard(b)
-
-    advance(launch(monitor.initial_branches))
-    steps, row_steps = 1, len(position)
-    while running:
-        for b in list(pending & running):  # the reap at the start of a step
-            running.discard(b)
-            cancelled.add(b)
-        pending.clear()
-        if not running:
-            break
-        steps += 1
-        row_steps += len(running)
-        for wave in list(members):
-            if any(b in running for b in wave):
-                advance(wave)
-    completions = [_completion(branches[b], b, position[b], texts.text(b, position[b]), b in cancelled)
-                   for b in range(len(position))]
-    answers = monitor.answers(completions)
-    summary = summarise_votes(answers, [c.confidence for c in completions])
-    return Replayed(summary.winner, totals["tokens"], steps, row_steps, len(position), len(cancelled))
-
-
-def _completion(branch: dict, index: int, k: int, text: str, cancelled: bool) -> Completion:
-    return Completion(text=text, token_ids=tuple(branch["tokens"][:k]), logprobs=tuple(branch["logprobs"][:k]),
-                      finish_reason="cancelled" if cancelled else branch["finish"], num_prompt_tokens=0,
-                      branch_index=index)
-
-
+# -- replay (the exact replay itself: rksc_bench.early_stop_replay) ------------------------------------
 def candidate_rules() -> dict[str, EarlyStopConfig | None]:
     """The rules and settings replayed: the exact one, and grids of the approximate ones."""
     rules: dict[str, EarlyStopConfig | None] = {"off": None, "decided": EarlyStopConfig()}
@@ -427,11 +313,7 @@ def _row(label: str, s: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(report["by_n"]), figsize=(6 * len(report["by_n"]), 4.5), squeeze=False)
     families = sorted({label.split(" ")[0] for block in report["by_n"].values() for label in block["all"]})
     colours = {family: plt.cm.tab20(i % 20) for i, family in enumerate(families)}
@@ -446,14 +328,13 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("share of full n's right answers lost")
         ax.set_title(f"n = {n}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 # -- live ---------------------------------------------------------------------------------------------
 def live(args: argparse.Namespace) -> dict:
     """The whole pipeline, side by side on the same seeds, arms rotated per question."""
-    engine = RKSCEngine.from_pretrained(args.model)
+    engine = harness.load_engine(args)
     shots, questions = load_workload(args)
     params = replace(PARAMS, max_new_tokens=args.max_new_tokens)
     rules = candidate_rules()
@@ -497,7 +378,7 @@ def live(args: argparse.Namespace) -> dict:
 def tree(args: argparse.Namespace) -> dict:
     """``engine.tree_search`` with its children stopped early, side by side with every child run to
     its step's end, on the same seeds, arms rotated per question."""
-    engine = RKSCEngine.from_pretrained(args.model)
+    engine = harness.load_engine(args)
     shots, questions = load_workload(args)
     params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=args.max_step_tokens)
     arms: dict[str, str | None] = {"off": None}
@@ -538,20 +419,21 @@ def tree(args: argparse.Namespace) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, model=False, lock=False, json_out="none")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("record", "live", "tree"):
         p = sub.add_parser(name)
-        p.add_argument("--model", default=None)
+        p.add_model()
+        p.add_no_lock()
         p.add_argument("--workload", choices=("ladder", "gsm8k"), default="ladder")
         p.add_argument("--data", default=None, help="gsm8k: a GSM8K JSONL (default: the synthetic generator)")
         p.add_argument("--per-level", type=int, default=8)
         p.add_argument("--levels", default=",".join(str(x) for x in LADDER_LEVELS))
         p.add_argument("--questions", type=int, default=32, help="gsm8k: questions after the shots")
         p.add_argument("--shots", type=int, default=8)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-new-tokens", type=int, default=PARAMS.max_new_tokens)
+        p.add_seed(0, "seed of the generated questions")
+        p.add_max_new_tokens(PARAMS.max_new_tokens, "token budget per branch")
         p.add_argument("--branches", type=int, default=16 if name == "record" else 8)
     rec = sub.choices["record"]
     rec.add_argument("--batch", type=int, default=8)
@@ -562,41 +444,49 @@ def main() -> None:
                      help="skip the questions already recorded in this file (repeatable)")
     lv = sub.choices["live"]
     lv.add_argument("--rules", default=None, help="comma-separated approximate rules' labels from the replay table")
-    lv.add_argument("--json-out", default=None)
+    lv.add_json_out(None)
     tr = sub.choices["tree"]
     tr.add_argument("--rules", default="length,confidence", help="comma-separated early_stop values for tree_search")
     tr.add_argument("--breadth", type=int, default=3)
     tr.add_argument("--depth", type=int, default=4)
     tr.add_argument("--beam", type=int, default=2)
     tr.add_argument("--max-step-tokens", type=int, default=48)
-    tr.add_argument("--json-out", default=None)
+    tr.add_json_out(None)
     rp = sub.add_parser("replay")
     rp.add_argument("records", nargs="+")
-    rp.add_argument("--model", default=None, help="the tokenizer the records were made with (default model)")
+    rp.add_model("the model whose tokenizer made the records")
+    rp.add_no_lock()
     rp.add_argument("--ns", default="8,16")
-    rp.add_argument("--seed", type=int, default=0)
+    rp.add_seed(0, "seed of the calibration / held-out split")
     rp.add_argument("--max-lost", type=float, default=0.01, help="calibration: most right answers lost (share)")
-    rp.add_argument("--json-out", default=None)
+    rp.add_json_out(None)
     rp.add_argument("--md", default=None)
     rp.add_argument("--plot", default=None)
     rp.add_argument("--from-json", default=None, help="re-render --md/--plot from a saved --json-out; replay nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.command == "record":
+        harness.start_run(args)
         record(args)
     elif args.command == "replay":
-        report = json.loads(Path(args.from_json).read_text()) if args.from_json else replay_report(args)
+        if args.from_json:
+            report = json.loads(Path(args.from_json).read_text())
+            report.pop(harness.ENVIRONMENT_KEY, None)  # the replay's own; this run only renders it
+        else:
+            harness.start_run(args)
+            report = replay_report(args)
         text = markdown(report)
         print(text)
         if args.md:
             Path(args.md).write_text(text + "\n")
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps(report, indent=1, default=list))
+            harness.write_json(args.json_out, report)
         if args.plot:
             plot(report, Path(args.plot))
     else:
+        harness.start_run(args)
         out = live(args) if args.command == "live" else tree(args)
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps(out, indent=1))
+            harness.write_json(args.json_out, out)
 
 
 if __name__ == "__main__":

@@ -18,48 +18,26 @@ For each family:
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 import warnings
-from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
-from rksc_bench.families import FAMILIES, make_family_model
+from rksc_bench import harness
+from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
 from rksc_engine import RKSCEngine, SamplingParams
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "families.json"
 REPEATED_PROMPT = ("System: you are a careful assistant. Use the context.\nContext: "
                    + "the river runs north past the old mill and the stone bridge. " * 7 + "\nQ: which way? A:")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.bench_parser(__file__, __doc__, model=False)  # tiny seeded models, no weights
     parser.add_argument("--families", nargs="*", default=None, help="family names (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
-
-
-def char_tokenizer():
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>"] + list(string.printable))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    parser.add_max_new_tokens(32, "tokens per request")
+    parser.add_repeats(2)
+    return parser.parse_args(argv)
 
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> tuple[int, ...]:
@@ -126,14 +104,8 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
         except Exception as error:  # noqa: BLE001 - a family transformers' continuous batching cannot run
             errors[arm_name] = f"{type(error).__name__}: {str(error)[:120]}"
             del arms[arm_name]
-    walls: dict[str, list[float]] = {arm_name: [] for arm_name in arms}
-    counts: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for arm_name, arm in arms.items():
-            start = time.perf_counter()
-            counts[arm_name] = arm()
-            walls[arm_name].append(time.perf_counter() - start)
-    tok_s = {arm_name: counts[arm_name] / statistics.median(walls[arm_name]) for arm_name in arms}
+    timings = harness.side_by_side(arms, args.repeats)
+    tok_s = {arm_name: timing.result / timing.median_s for arm_name, timing in timings.items()}
     return {
         "family": name, "exact": exact, "prompt_tokens": len(ids), "reused_tokens": warm.num_cached_tokens,
         "batched_decode": batched, "batched_decode_refusal": refusal,
@@ -145,6 +117,7 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    harness.start_run(args)
     warnings.filterwarnings("ignore")
     tokenizer = char_tokenizer()
     names = args.families or [f.name for f in FAMILIES]
@@ -170,9 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         for arm_name, error in row["errors"].items():
             print(f"{row['family']}: {arm_name} failed: {error}", file=sys.stderr)
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                                         "rows": rows}, indent=2))
+    harness.write_json(args.json_out, {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -33,21 +33,20 @@ Run it (results also go to ``benchmarks/results/langchain_vs_hf.json``):
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from rksc_bench import harness
+from rksc_bench.prompts import shots_to_length
 from rksc_engine import RKSCEngine
 from rksc_engine.evaluation.workloads import synthetic_problems
 from rksc_engine.reasoning.answers import extract_gsm8k_answer, majority_vote
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "langchain_vs_hf.json"
 TEMPERATURE, TOP_P = 0.7, 0.95
 ARM_HF = "HF pipeline (langchain-huggingface)"
 ARM_CHAT = "ChatRKSC(n) + vote"
@@ -56,23 +55,14 @@ ARMS = (ARM_HF, ARM_CHAT, ARM_REASONER)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", type=int, default=2,
-                        help="questions answered by every arm (default 2, ~10 minutes on a busy 2-core machine)")
-    parser.add_argument("--branches", type=int, default=8, help="sampled branches per question (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="token budget per branch (default 96)")
-    parser.add_argument("--prompt-tokens", type=int, default=1300, help="few-shot prompt length to reach (default 1300)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the problems and of the samplers (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for every arm (default: torch's choice); 1 suits a busy machine")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT, help="where to write the results")
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    for name in ("questions", "branches", "max_new_tokens", "prompt_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--questions", 2, "questions answered by every arm (~10 minutes on a busy 2-core machine)")
+    parser.add_count("--branches", 8, "sampled branches per question")
+    parser.add_max_new_tokens(96, "token budget per branch")
+    parser.add_count("--prompt-tokens", 1300, "few-shot prompt length to reach")
+    parser.add_seed(0, "seed of the problems and of the samplers")
+    parser.add_threads()
+    return parser.parse_args(argv)
 
 
 class PrefillCounter:
@@ -106,11 +96,7 @@ class ArmRecord:
 
 def build_shots(engine: RKSCEngine, question: str, target_tokens: int, seed: int) -> list[Problem]:
     """Synthetic shots added until the rendered prompt for ``question`` reaches ``target_tokens``."""
-    pool = synthetic_problems(400, seed=seed + 1000)
-    shots: list[Problem] = []
-    while len(engine.encode(few_shot_messages(question, shots))) < target_tokens and len(shots) < len(pool):
-        shots.append(pool[len(shots)])
-    return shots
+    return shots_to_length(engine, question, synthetic_problems(400, seed=seed + 1000), target_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,10 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from rksc_integrations.langchain import ChatRKSC, MultiBranchReasoner
 
+    harness.start_run(args)
     torch.manual_seed(args.seed)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    base = RKSCEngine.from_pretrained()
+    base = harness.load_engine(args)
     model, tokenizer = base.model, base.tokenizer
     problems = synthetic_problems(args.questions, seed=args.seed)
     shots = build_shots(base, problems[0].question, args.prompt_tokens, args.seed)
@@ -215,13 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['arm']:<42} {r['total_wall_s']:>8.1f} {r['ratio_to_hf']:>11.2f}x {r['hf_speedup']:>6.2f}x "
               f"{r['prompt_tokens_computed']:>11,} {r['agreement_with_hf_vote']:>9.0%} {r['accuracy']:>5.0%}")
     print(f"gold answers: {gold}")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    harness.write_json(args.json_out, {
+        "args": vars(args),
         "num_shots": len(shots), "prompt_tokens": prompt_lengths, "gold": gold,
         "torch_threads": torch.get_num_threads(), "arms": rows,
         "records": {arm: asdict(rec) for arm, rec in records.items()},
-    }, indent=2))
+    })
     print(f"wrote {args.json_out}")
     return 0
 

@@ -36,17 +36,17 @@ alongside. Run it:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-# benchmarks/branches.py: Python puts a script's own folder on sys.path.
-from branches import build_prompt_ids, load_problems, run_hf_batched, run_rksc
+from rksc_bench import harness
+from rksc_bench.branch_runs import TEMPERATURE, TOP_P, run_hf_batched, run_rksc
+from rksc_bench.prompts import few_shot_prompt_ids
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.evaluation.workloads import synthetic_problems
 from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
     BatchDecodeCache,
@@ -56,29 +56,18 @@ from rksc_engine.kvcache.shared_prefix import (
 from rksc_engine.runtime.loading import cpu_supports_bf16
 from rksc_engine.runtime.sampling import choose_next_tokens, make_generators
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "limits.json"
-TEMPERATURE, TOP_P = 0.7, 0.95
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--branches", type=int, default=8, help="branches of the multi-branch arms (default 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=1300, help="prompt length to reach (default 1300)")
-    parser.add_argument("--steps", type=int, default=6, help="timed decode steps per arm and repeat (default 6)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
-    parser.add_argument("--e2e-max-new-tokens", type=int, default=32, help="tokens per branch end to end (default 32)")
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--branches", 8, "branches of the multi-branch arms")
+    parser.add_count("--prompt-tokens", 1300, "prompt length to reach")
+    parser.add_count("--steps", 6, "timed decode steps per arm and repeat")
+    parser.add_repeats(3, "interleaved repeats")
+    parser.add_count("--e2e-max-new-tokens", 32, "tokens per branch end to end")
     parser.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end before/after arms")
     parser.add_argument("--skip-bf16", action="store_true", help="skip the bf16 arms")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    for name in ("branches", "prompt_tokens", "steps", "repeats", "e2e_max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser.add_threads()
+    return parser.parse_args(argv)
 
 
 # -- the machine ---------------------------------------------------------------------------------
@@ -258,13 +247,12 @@ def summary(values: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    harness.start_run(args)
     torch.manual_seed(0)
-    engine = RKSCEngine.from_pretrained(args.model)
+    engine = harness.load_engine(args)
     old = RKSCEngine(engine.model, engine.tokenizer, EngineConfig(decode_attention="dynamic_cache"))
     model = engine.model
-    prompt_ids, _ = build_prompt_ids(engine, load_problems(None, 0), args.prompt_tokens)
+    prompt_ids, _ = few_shot_prompt_ids(engine, synthetic_problems(400, 0), args.prompt_tokens)
     n_branches = args.branches
     bf16_native = cpu_supports_bf16() and not args.skip_bf16 and engine.device.type == "cpu"
     bf16 = None
@@ -374,8 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"| {statistics.median(e2e_tokens[key]):.0f} |")
     if agreement is not None:
         print(f"\nbf16 vs float32 greedy: first {agreement[0]} of {agreement[1]} tokens identical")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({
+    harness.write_json(args.json_out, {
         "setup": {"model": engine.model_name, "prompt_tokens": len(prompt_ids), "branches": n_branches,
                   "threads": torch.get_num_threads(), "repeats": args.repeats, "steps": args.steps,
                   "bf16_native": bf16_native},
@@ -384,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
                     "compute_floor_ms": compute_floor_ms, "kernel_floor_ms": kernel_floor_ms},
         "decode_ms": rows, "prefill": prefill_rows, "end_to_end": e2e_rows,
         "bf16_greedy_agreement": agreement,
-    }, indent=2) + "\n")
+    })
     print(f"\nwrote {args.json_out}")
 
 

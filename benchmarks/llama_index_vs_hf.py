@@ -7,16 +7,17 @@ refine and compact modes. Greedy on both sides, so the answers should be identic
 differs. The HF arm runs first, then rksc with a cold cache; wall time per arm and the ratio are
 printed.
 
-    python benchmarks/llama_index_vs_hf.py [--max-new-tokens 24] [--top-k 3]
+    python benchmarks/llama_index_vs_hf.py [--max-new-tokens 24] [--top-k 3] [--json-out results.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
+
+from rksc_bench import harness
 
 DOCUMENTS = {
     "lighthouse.txt": "The Harrow Point lighthouse was built in 1872. Its keeper, Mara Quill, climbs 212 steps "
@@ -62,21 +63,20 @@ def run_arm(index, llm, modes: list[str], top_k: int) -> tuple[float, list[str]]
     return time.perf_counter() - start, answers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
+    parser.add_max_new_tokens(24, "tokens per answer")
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--modes", default="refine,compact")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    harness.start_run(args)
 
     from llama_index.llms.huggingface import HuggingFaceLLM
 
-    from rksc_engine import RKSCEngine
     from rksc_integrations.llama_index import RKSCLLM
     from rksc_integrations.llama_index.messages import to_engine_messages
 
-    engine = RKSCEngine.from_pretrained(progress=False)
+    engine = harness.load_engine(args, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         index = build_index(Path(tmp))
     modes = args.modes.split(",")
@@ -107,8 +107,8 @@ def main() -> None:
           f"over {result['queries']} queries ({'+'.join(modes)}), {same}/{len(hf_answers)} answers identical, "
           f"rksc prompt reuse {stats.prompt_reuse_rate:.0%}")
     print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.json_out:
+        harness.write_json(args.json_out, result)
 
 
 if __name__ == "__main__":

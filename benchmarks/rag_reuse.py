@@ -23,12 +23,12 @@ chunks had all been seen before (``chunks_cached == 0``), the steady state of a 
 
     flock /tmp/rksc-bench.lock ./dev python benchmarks/rag_reuse.py --out docs/bench/rag_reuse.md
     ./dev python benchmarks/rag_reuse.py --queries 6 --corpus 8   # a quick look
+    ./dev python benchmarks/rag_reuse.py --json-out per_query.json  # also every query's measurements
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from rksc_bench import harness
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
 from rksc_engine.evaluation.calibration import wilson_interval
@@ -128,23 +129,22 @@ def report(results: dict[str, ArmResult], golds: list[str], args: argparse.Names
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="local model directory (default: the embedded model)")
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
     parser.add_argument("--data", default=None, help="JSONL of {chunks, question, answer} instead of the generator")
     parser.add_argument("--corpus", type=int, default=60)
     parser.add_argument("--queries", type=int, default=60)
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_seed(0, "seed of the corpus and the queries")
+    parser.add_max_new_tokens(12, "greedy tokens per answer")
     parser.add_argument("--fractions", default="0,0.05,0.15,0.3")
     parser.add_argument("--gates", default="0.03", help="deviation gates (max_mean_deviation) to try, comma-separated")
     parser.add_argument("--gate-fraction", type=float, default=0.15, help="recompute_fraction of the gated arms")
     parser.add_argument("--out", default=None, help="also write the markdown report here")
-    parser.add_argument("--json", default=None, help="write the per-query measurements here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    harness.start_run(args)
 
-    base = RKSCEngine.from_pretrained(args.model) if args.model else RKSCEngine.from_pretrained()
+    base = harness.load_engine(args)
     if args.data:
         queries = load_rag_jsonl(args.data, limit=args.queries)
     else:
@@ -160,11 +160,12 @@ def main() -> None:
     text = report(results, [q.answer for q in queries], args)
     print(text)
     if args.out:
+        settings = {k: v for k, v in vars(args).items() if v is not None and k not in ("out", "json_out", "no_lock")}
         command = "flock /tmp/rksc-bench.lock ./dev python benchmarks/rag_reuse.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k not in ("out", "json"))
+            f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
         Path(args.out).write_text(f"# Retrieved-context reuse\n\nCommand: `{command}`\n\n{text}\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({name: vars(r) for name, r in results.items()}, indent=1))
+    if args.json_out:
+        harness.write_json(args.json_out, {name: vars(r) for name, r in results.items()})
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ it holds for a model.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from rksc_bench import harness
 from rksc_engine import ASKSConfig, EngineConfig, RKSCEngine
 from rksc_engine.evaluation.rag_facts import fact_corpus, rag_messages, rag_queries
 
@@ -37,19 +36,20 @@ def prefilled(engine: RKSCEngine, messages: list[dict]) -> tuple[torch.Tensor, t
     return kv, result.last_logits, segments
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--queries", type=int, default=3)
-    parser.add_argument("--fractions", default="0,0.15,0.5,0.95,0.99")
-    args = parser.parse_args()
-    base = RKSCEngine.from_pretrained(args.model) if args.model else RKSCEngine.from_pretrained()
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
+    parser.add_count("--queries", 3)
+    parser.add_argument("--fractions", type=harness.float_list, default="0,0.15,0.5,0.95,0.99")
+    args = parser.parse_args(argv)
+    harness.start_run(args)
+    base = harness.load_engine(args)
     queries = rag_queries(fact_corpus(6), args.queries + 1, 4)
     num_layers = base.model.config.num_hidden_layers
     depths = sorted({1, 2, num_layers // 6, num_layers // 2, num_layers - 1})
     print("| recompute_fraction | " + " | ".join(f"layer {d}" for d in depths) + " | max logit diff |")
     print("|---" * (len(depths) + 2) + "|")
-    for fraction in [float(f) for f in args.fractions.split(",")]:
+    rows = []
+    for fraction in args.fractions:
         engine = RKSCEngine(base.model, base.tokenizer,
                             EngineConfig(asks=ASKSConfig.for_retrieved_context(fraction)))
         prefilled(engine, rag_messages(queries[0]))  # caches the chunks
@@ -62,8 +62,12 @@ def main() -> None:
             deviations.append(diff / exact_kv[:, :, :, start:end].square().sum(dim=(1, 2, 3, 4)).sqrt())
             logit_diffs.append(float((logits - exact_logits).abs().max()))
         mean = torch.stack(deviations).mean(0)
+        rows.append({"recompute_fraction": fraction, "deviation_by_layer": {d: float(mean[d]) for d in depths},
+                     "max_logit_diff": max(logit_diffs)})
         print(f"| {fraction:g} | " + " | ".join(f"{float(mean[d]):.3f}" for d in depths)
               + f" | {max(logit_diffs):.2f} |")
+    if args.json_out:
+        harness.write_json(args.json_out, {"queries": args.queries, "rows": rows})
 
 
 if __name__ == "__main__":

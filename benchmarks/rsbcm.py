@@ -26,7 +26,6 @@ Run it (results also go to ``benchmarks/results/rsbcm.json``):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -37,12 +36,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from rksc_bench import harness
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SearchResult
 from rksc_engine.config import RSBCMConfig
 from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "rsbcm.json"
 UNBOUNDED = "unbounded"
 UNBOUNDED_MB = 4096.0
 
@@ -207,8 +206,8 @@ def run_benchmark(model: Any, tokenizer: Any, problems: list[Problem], args: arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", type=int, default=1, help="questions searched (default 1)")
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--questions", 1, "questions searched")
     parser.add_argument("--data", type=Path, help="GSM8K JSONL file (default: synthetic problems)")
     parser.add_argument("--shots", type=int, default=0, help="worked examples in the prompt (default 0)")
     parser.add_argument("--depth", type=int, default=6, help="most steps per path (default 6)")
@@ -217,20 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-step-tokens", type=int, default=24, help="token budget per step (default 24)")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0, help="seed of question 0's search; question i uses seed + i")
+    parser.add_seed(0, "seed of question 0's search; question i uses seed + i")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25],
                         help="budgets as fractions of the unbounded peak (default 0.5 0.25)")
     parser.add_argument("--policies", nargs="+", default=["omega", "omega-raw", "lru"],
                         choices=["omega", "omega-raw", "lru"])
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=1, help="timed repeats per arm (default 1)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    parser.add_repeats(1, "timed repeats per arm")
     args = parser.parse_args(argv)
+    harness.start_run(args)
 
     pool = load_gsm8k_jsonl(args.data) if args.data else synthetic_problems(64, seed=3)
     problems = pool[: args.questions]
     args.shot_pool = pool[args.questions:]
-    engine = RKSCEngine.from_pretrained()
+    engine = harness.load_engine(args)
     model, tokenizer = engine.model, engine.tokenizer
     print(f"model {engine.model_name} on {engine.device} ({engine.dtype}), torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -238,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result["rows"]))
     print(f"unbounded peaks (bytes): {result['unbounded_peaks_bytes']}; load average "
           f"{result['load_average_start'][0]:.1f} -> {result['load_average_end'][0]:.1f}")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "shot_pool"}
-    args.json_out.write_text(json.dumps({"settings": settings, **result}, indent=2))
+    settings = {k: v for k, v in vars(args).items() if k != "shot_pool"}
+    harness.write_json(args.json_out, {"settings": settings, **result})
     print(f"wrote {args.json_out}")
     return 0
 

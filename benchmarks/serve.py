@@ -58,6 +58,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from rksc_bench import harness
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.runtime.loading import ensure_default_model, resolve_device, resolve_dtype
 
@@ -201,7 +202,7 @@ def linear_products_arm(engine: RKSCEngine, work: Workload) -> Arm:
     """The in-process arm on an engine over the same model whose decode step keeps the model's own
     linear layers (``decode_matmul="linear"``)."""
     linear = RKSCEngine(engine.model, engine.tokenizer, replace(engine.config, decode_matmul="linear"))
-    linear.generate("warm up", SamplingParams(max_new_tokens=4))
+    harness.warm_up(linear)
     try:
         return in_process_arm(linear, work, "in-process, linear products")
     finally:
@@ -417,14 +418,12 @@ def markdown(arms: list[Arm], work: Workload, args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="local Hugging Face model directory (default: the embedded default model)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", help="model dtype for every arm (default: rksc's auto)")
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
+    parser.add_count("--clients", 8, "concurrent clients")
+    parser.add_count("--requests", 4, "requests per client, sent one after another")
+    parser.add_count("--max-tokens", 64, "max_tokens of every request")
+    parser.add_device()
+    parser.add_dtype()
     parser.add_argument("--transformers-continuous-batching", action="store_true",
                         help="run transformers serve with --continuous-batching")
     parser.add_argument("--skip-transformers-serve", action="store_true", help="leave out arm (b)")
@@ -434,15 +433,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="closed: each client sends its next request when its last ends (default); poisson: "
                              "--clients streamed requests arrive at Poisson times, and time to first token is reported")
     parser.add_argument("--arrival-rate", type=float, default=1.0, help="poisson arrivals per second (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the poisson arrival times (default 0)")
+    parser.add_seed(0, "seed of the poisson arrival times")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 clients x 2 requests of 8 tokens")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown here (docs/bench/serve.md)")
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.requests, args.max_tokens = QUICK["clients"], QUICK["requests"], QUICK["max_tokens"]
-    for name in ("clients", "requests", "max_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.arrival_rate > 0 and math.isfinite(args.arrival_rate)):
         parser.error("--arrival-rate must be a positive number")
     args.device_obj = resolve_device(args.device)
@@ -452,12 +448,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    harness.start_run(args)
     if args.arrivals == "poisson":  # one request per client, at its arrival time
         work = workload(args.clients, 1, args.max_tokens, poisson_arrivals(args.clients, args.arrival_rate, args.seed))
     else:
         work = workload(args.clients, args.requests, args.max_tokens)
     model_dir = args.model or ensure_default_model()
-    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype_name, progress=False)
+    engine = harness.load_engine(args, dtype=args.dtype_name, progress=False)
 
     def count_tokens(text: str) -> int:  # for a server whose answers carry no usage
         return len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -476,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("# rksc serve: HTTP overhead and transformers serve\n\n" + report)
+    if args.json_out:
+        harness.write_json(args.json_out, {"clients": work.clients, "max_tokens": work.max_tokens,
+                                           "arrivals": work.arrivals, "arms": arms})
     return 0
 
 

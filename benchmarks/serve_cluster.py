@@ -20,13 +20,11 @@ miss per system prompt and replica.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from pathlib import Path
 
-import ray
-
+from rksc_bench import harness
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.config import EngineConfig, RSBCMConfig
 from rksc_engine.runtime.loading import ensure_default_model
@@ -41,10 +39,10 @@ def cache_budget_mb(model: str, chats: list, prompts: float) -> float:
     return prompts * tokens * stats.cache_bytes / stats.cache_tokens / 2**20
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory every replica loads (default: embedded SmolLM2-135M)")
-    parser.add_argument("--replicas", type=int, default=2)
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, model=False, json_out="optional")
+    parser.add_model("the model directory every replica loads")
+    parser.add_count("--replicas", 2)
     parser.add_argument("--system-prompts", type=int, default=4)
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=1)
@@ -53,9 +51,11 @@ def main() -> None:
     parser.add_argument("--routings", default="prefix,round_robin,pow2", help=f"comma-separated, of {list(ROUTINGS)}")
     parser.add_argument("--replica-cpus", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_seed(0, "seed of the request order")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this markdown file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    harness.start_run(args)
+    import ray  # after the flags: --help needs no Ray
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model = args.model or str(ensure_default_model())
@@ -82,6 +82,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(f"# Ray Serve replicas: prefix-cache hit rate by routing\n\n{table}\n")
+    if args.json_out:
+        harness.write_json(args.json_out, {"args": vars(args), "note": note, "results": results})
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 
+from rksc_bench import harness
 from rksc_engine import RKSCEngine
 from rksc_serve.app import create_app
 
@@ -167,24 +167,19 @@ def markdown(phases: list[Probes], args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="local Hugging Face model directory (default: the embedded default model)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--clients", type=int, default=64, help="concurrent clients in the load phase (default 64)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of every client request (default 8)")
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
+    parser.add_device()
+    parser.add_dtype()
+    parser.add_count("--clients", 64, "concurrent clients in the load phase")
+    parser.add_count("--max-tokens", 8, "max_tokens of every client request")
     parser.add_argument("--disconnect-rate", type=float, default=0.3,
                         help="share of clients that hang up before their answer (default 0.3)")
-    parser.add_argument("--probes", type=int, default=40, help="least probes per endpoint and phase (default 40)")
+    parser.add_count("--probes", 40, "least probes per endpoint and phase")
     parser.add_argument("--interval-ms", type=float, default=50.0, help="pause between probe rounds (default 50)")
     parser.add_argument("--probe-timeout-s", type=float, default=10.0,
                         help="a probe unanswered this long fails (default 10)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds which clients hang up (default 0)")
+    parser.add_seed(0, "seeds which clients hang up")
     args = parser.parse_args(argv)
-    for name in ("clients", "max_tokens", "probes"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.disconnect_rate <= 1:
         parser.error("--disconnect-rate must be in [0, 1]")
     if args.interval_ms < 0 or args.probe_timeout_s <= 0:
@@ -194,10 +189,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, progress=False)
+    harness.start_run(args)
+    engine = harness.load_engine(args, progress=False)
     with serving(create_app(engine)) as url:
         phases = [probe(url, "idle", args), under_load(url, args), while_held(engine, url, args)]
     print(markdown(phases, args))
+    if args.json_out:
+        harness.write_json(args.json_out, {"args": vars(args), "phases": phases})
     return 0 if not any(sum(p.failures.values()) for p in phases) else 1
 
 

@@ -1,11 +1,11 @@
 """Benchmark: where a decode step's time goes, independent requests against sibling branches.
 
-Runs ``batch_curve.py``'s two arms (``--rows`` single-branch chat requests, and one request of
-``--rows`` branches), steps the scheduler from this thread, and times the step's phases by wrapping
-the functions that run them: the model forward, the split attention, the KV write of the batch, the
-MLP, the norms and the rotary embedding. Wall-clock per decode step, the admission step (prefill)
-apart. Unlike ``torch.profiler`` or ``cProfile`` it adds almost nothing per call, so Python-heavy
-phases are not inflated.
+Runs ``batch_curve.py``'s two arms (``rksc_bench.prompts.CHAT_ARMS``: ``--rows`` single-branch chat
+requests, and one request of ``--rows`` branches), steps the scheduler from this thread, and times
+the step's phases by wrapping the functions that run them: the model forward, the split attention,
+the KV write of the batch, the MLP, the norms and the rotary embedding. Wall-clock per decode step,
+the admission step (prefill) apart. Unlike ``torch.profiler`` or ``cProfile`` it adds almost nothing
+per call, so Python-heavy phases are not inflated.
 
     flock /tmp/rksc-bench.lock ./dev python benchmarks/step_phases.py
 """
@@ -15,30 +15,21 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from batch_curve import ARMS
+from rksc_bench import harness
+from rksc_bench.prompts import CHAT_ARMS
 from rksc_engine import RKSCEngine, SamplingParams
-
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "step_phases.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--rows", type=int, default=16, help="rows of each arm (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per row (default 64)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per arm, alternating (default 2)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    for name in ("rows", "max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--rows", 16, "rows of each arm")
+    parser.add_max_new_tokens(64, "tokens per row")
+    parser.add_repeats(2, "runs per arm, alternating")
+    return parser.parse_args(argv)
 
 
 def time_phases(engine: RKSCEngine) -> collections.Counter:
@@ -80,7 +71,7 @@ def run_arm(engine: RKSCEngine, name: str, spent: collections.Counter, args: arg
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     engine.clear_cache()
     with engine.exclusive():  # this thread steps the scheduler, so every step is timed here
-        handles = ARMS[name](engine, args.rows, params)
+        handles = CHAT_ARMS[name](engine, args.rows, params)
         start = time.perf_counter()
         engine.scheduler.step()
         admission = time.perf_counter() - start
@@ -97,10 +88,11 @@ def run_arm(engine: RKSCEngine, name: str, spent: collections.Counter, args: arg
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
-    engine.generate("warm up", SamplingParams(max_new_tokens=4))
+    harness.start_run(args)
+    engine = harness.load_engine(args)
+    harness.warm_up(engine)
     spent = time_phases(engine)
-    rows = [run_arm(engine, name, spent, args) for _ in range(args.repeats) for name in ARMS]
+    rows = [run_arm(engine, name, spent, args) for _ in range(args.repeats) for name in CHAT_ARMS]
     phases = [key for key in rows[0] if key.endswith("_ms") and key not in ("admission_ms", "step_ms")]
     print(f"{args.rows} rows, {args.max_new_tokens} tokens; ms per decode step (the admission step apart)\n")
     print("| arm | admission step | decode step | " + " | ".join(p[:-3] for p in phases) + " |")
@@ -108,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"| {row['arm']} | {row['admission_ms']:.0f} | {row['step_ms']:.1f} | "
               + " | ".join(f"{row.get(p, 0.0):.1f}" for p in phases) + " |")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({"rows": args.rows, "max_new_tokens": args.max_new_tokens, "runs": rows},
-                                        indent=2))
+    harness.write_json(args.json_out, {"rows": args.rows, "max_new_tokens": args.max_new_tokens, "runs": rows})
 
 
 if __name__ == "__main__":

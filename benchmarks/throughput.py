@@ -25,34 +25,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 
+from rksc_bench import harness
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.evaluation.workloads import synthetic_problems
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "throughput.json"
 ARMS = ("callers", "reasoner", "tree", "kv")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--callers", type=int, default=8, help="concurrent callers (default 8)")
-    parser.add_argument("--branches", type=int, default=8, help="branches per caller (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per branch (default 32)")
-    parser.add_argument("--shots", type=int, default=8, help="few-shot examples in the prompt (default 8)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--callers", 8, "concurrent callers")
+    parser.add_count("--branches", 8, "branches per caller")
+    parser.add_max_new_tokens(32, "tokens per branch")
+    parser.add_count("--shots", 8, "few-shot examples in the prompt")
+    parser.add_repeats(2)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
     args = parser.parse_args(argv)
-    for name in ("callers", "branches", "max_new_tokens", "shots", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; valid: {list(ARMS)}")
@@ -64,23 +56,10 @@ def workload(num_questions: int, num_shots: int) -> tuple[list[Problem], list[Pr
     return problems[num_shots:], problems[:num_shots]
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
-
-
-def side_by_side(engine: RKSCEngine, arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict]:
-    """Median wall time per arm over ``repeats`` interleaved runs, each on a cleared prefix cache;
-    the last run's result of each arm is kept for the equality checks."""
-    walls: dict[str, list[float]] = {name: [] for name in arms}
-    results: dict[str, object] = {}
-    for _ in range(repeats):
-        for name, fn in arms.items():
-            engine.clear_cache()
-            wall, results[name] = timed(fn)
-            walls[name].append(wall)
-    return {name: {"median_s": statistics.median(w), "runs_s": w, "result": results[name]} for name, w in walls.items()}
+def side_by_side(engine: RKSCEngine, arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, harness.Timings]:
+    """``repeats`` interleaved runs of each arm, each on a cleared prefix cache; the last run's result
+    of each arm serves the equality checks."""
+    return harness.side_by_side(arms, repeats, before=lambda _: engine.clear_cache())
 
 
 # -- arms ---------------------------------------------------------------------------------------
@@ -108,18 +87,18 @@ def callers_arm(engine: RKSCEngine, args: argparse.Namespace) -> dict:
 
     engine.reset_stats()
     timings = side_by_side(engine, {"serial": serial, "concurrent": concurrent}, args.repeats)
-    same = timings["serial"]["result"] == timings["concurrent"]["result"]
-    tokens = sum(len(t) for request in timings["serial"]["result"] for t in request)
+    same = timings["serial"].result == timings["concurrent"].result
+    tokens = sum(len(t) for request in timings["serial"].result for t in request)
     prompt_tokens = len(engine.encode(prompts[0]))
     return {
         "callers": args.callers, "branches": args.branches, "prompt_tokens": prompt_tokens,
         "generated_tokens": tokens, "same_tokens": same,
-        "serial_s": timings["serial"]["median_s"], "concurrent_s": timings["concurrent"]["median_s"],
-        "serial_tok_s": tokens / timings["serial"]["median_s"],
-        "concurrent_tok_s": tokens / timings["concurrent"]["median_s"],
-        "speedup": timings["serial"]["median_s"] / timings["concurrent"]["median_s"],
+        "serial_s": timings["serial"].median_s, "concurrent_s": timings["concurrent"].median_s,
+        "serial_tok_s": tokens / timings["serial"].median_s,
+        "concurrent_tok_s": tokens / timings["concurrent"].median_s,
+        "speedup": timings["serial"].median_s / timings["concurrent"].median_s,
         "peak_batch_rows": engine.stats().peak_batch_rows,
-        "runs_s": {k: v["runs_s"] for k, v in timings.items()},
+        "runs_s": {k: v.runs_s for k, v in timings.items()},
     }
 
 
@@ -158,9 +137,9 @@ def reasoner_arm(engine: RKSCEngine, args: argparse.Namespace) -> dict:
 
     timings = side_by_side(engine, {"sequential invoke": sequential, "abatch": batched}, args.repeats)
     return {
-        "questions": len(inputs), "same_answers": timings["sequential invoke"]["result"] == timings["abatch"]["result"],
-        "sequential_s": timings["sequential invoke"]["median_s"], "abatch_s": timings["abatch"]["median_s"],
-        "speedup": timings["sequential invoke"]["median_s"] / timings["abatch"]["median_s"],
+        "questions": len(inputs), "same_answers": timings["sequential invoke"].result == timings["abatch"].result,
+        "sequential_s": timings["sequential invoke"].median_s, "abatch_s": timings["abatch"].median_s,
+        "speedup": timings["sequential invoke"].median_s / timings["abatch"].median_s,
     }
 
 
@@ -176,17 +155,18 @@ def tree_arm(engine: RKSCEngine, args: argparse.Namespace) -> dict:
     timings = side_by_side(engine, {"one node per call": lambda: search(False),
                                     "level together": lambda: search(True)}, args.repeats)
     return {
-        "nodes": len(timings["level together"]["result"]),
-        "same_tree": timings["one node per call"]["result"] == timings["level together"]["result"],
-        "one_node_s": timings["one node per call"]["median_s"], "level_s": timings["level together"]["median_s"],
-        "speedup": timings["one node per call"]["median_s"] / timings["level together"]["median_s"],
+        "nodes": len(timings["level together"].result),
+        "same_tree": timings["one node per call"].result == timings["level together"].result,
+        "one_node_s": timings["one node per call"].median_s, "level_s": timings["level together"].median_s,
+        "speedup": timings["one node per call"].median_s / timings["level together"].median_s,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
-    engine.generate("warm up", SamplingParams(max_new_tokens=4))
+    harness.start_run(args)
+    engine = harness.load_engine(args)
+    harness.warm_up(engine)
     report: dict[str, dict] = {}
     chosen = args.arms.split(",")
     for name, arm in (("callers", callers_arm), ("reasoner", reasoner_arm), ("tree", tree_arm), ("kv", kv_arm)):
@@ -215,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nKV while {args.callers} requests share the prompt: prefix cache peak {r['prefix_cache_peak_bytes']:,} B"
               f" + running requests peak {r['running_requests_peak_bytes']:,} B"
               f" = {r['total_over_one_prompt']:.2f}x one prompt's KV ({r['one_prompt_bytes']:,} B)")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(report, indent=2, default=float))
+    harness.write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ the hook time is the mask's own cost.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 from tqdm import tqdm
 
-from rksc_engine import RKSCEngine, SamplingParams
+from rksc_bench import harness
+from rksc_engine import SamplingParams
 from rksc_engine.structured import tools as T
 
 COLOURS = ["red", "green", "blue", "yellow", "black", "white"]
@@ -54,12 +54,13 @@ def correct(task: str, arguments: dict, expected: object) -> bool:
     return arguments.get("colour") == expected
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--questions", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    engine = RKSCEngine.from_pretrained(progress=False)
+def main(argv: list[str] | None = None) -> None:
+    parser = harness.bench_parser(__file__, __doc__, json_out="optional")
+    parser.add_count("--questions", 12)
+    parser.add_seed(0, "seed of the questions")
+    args = parser.parse_args(argv)
+    harness.start_run(args)
+    engine = harness.load_engine(args, progress=False)
     params = SamplingParams(max_new_tokens=24)
     # Outside the timings: warm both arms up on questions not asked, which also builds the token index
     # and its per-kind masks once (about 0.2 s the first time a mask kind is used).
@@ -81,6 +82,7 @@ def main() -> None:
             tqdm.write(f"q{i} {task} {'masked' if masked else 'unmasked'}: {result.tool_calls[0].arguments} "
                        f"correct={ok} {seconds:.2f}s mask_hooks={result.mask_s * 1000:.1f}ms")
     print(f"\n{'task':<8} {'arm':<10} {'correct':>9} {'s/call':>8} {'time vs unmasked':>17} {'mask hooks':>11}")
+    table = []
     for task in ("add", "colour"):
         base = sum(s for _, s, _ in results[(task, False)]) / len(results[(task, False)])
         for masked in (False, True):
@@ -88,8 +90,12 @@ def main() -> None:
             mean = sum(s for _, s, _ in rows) / len(rows)
             hits = sum(ok for ok, _, _ in rows)
             share = sum(m for _, _, m in rows) / sum(s for _, s, _ in rows)
+            table.append({"task": task, "masked": masked, "correct": hits, "calls": len(rows), "mean_s": mean,
+                          "time_vs_unmasked": mean / base, "mask_hook_share": share})
             print(f"{task:<8} {'masked' if masked else 'unmasked':<10} {hits:>4}/{len(rows):<4} {mean:>8.3f} "
                   f"{mean / base:>16.2f}x {share:>10.1%}")
+    if args.json_out:
+        harness.write_json(args.json_out, {"questions": args.questions, "seed": args.seed, "rows": table})
 
 
 if __name__ == "__main__":

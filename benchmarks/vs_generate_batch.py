@@ -1,6 +1,7 @@
 """Benchmark: independent chat requests on rksc against ``transformers``' continuous batching.
 
-``--requests`` single-branch greedy chat turns (the prompts of ``batch_curve.py``), up to
+``--requests`` single-branch greedy chat turns (the prompts of ``batch_curve.py``,
+``rksc_bench.prompts.essay_chat``), up to
 ``--max-new-tokens`` each, all submitted at once: to ``RKSCEngine.submit``, and as one
 ``model.generate_batch`` call (``transformers``' continuous batching with paged attention) on a
 second copy of the same weights, and as one ``model.generate`` call on the prompts left-padded into
@@ -14,40 +15,30 @@ same tokens on both sides.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from batch_curve import chat
-from rksc_engine import RKSCEngine, SamplingParams
-
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "vs_generate_batch.json"
+from rksc_bench import harness
+from rksc_bench.prompts import essay_chat
+from rksc_engine import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded model)")
-    parser.add_argument("--requests", type=int, default=16, help="independent requests (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per arm, median reported (default 2)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
-    args = parser.parse_args(argv)
-    for name in ("requests", "max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_count("--requests", 16, "independent requests")
+    parser.add_max_new_tokens(64, "tokens per request")
+    parser.add_repeats(2)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engine = RKSCEngine.from_pretrained(args.model)
+    harness.start_run(args)
+    engine = harness.load_engine(args)
     model_dir = engine.model.config._name_or_path
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).eval()
-    prompts = [engine.encode_chat(chat(i)) for i in range(args.requests)]
+    prompts = [engine.encode_chat(essay_chat(i)) for i in range(args.requests)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     eos = sorted(engine.runner.eos_token_ids)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
@@ -80,13 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     arms = {"rksc": run_rksc, "transformers generate_batch": run_hf, "transformers generate, padded batch": run_generate}
     for arm in arms.values():  # warm up both, untimed
         arm()
-    walls: dict[str, list[float]] = {name: [] for name in arms}
-    tokens: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeats):
-        for name, arm in arms.items():
-            start = time.perf_counter()
-            tokens[name] = arm()
-            walls[name].append(time.perf_counter() - start)
+    timings = harness.side_by_side(arms, args.repeats)
+    tokens = {name: timing.result for name, timing in timings.items()}
     rksc_tokens = [[t for t in seq if t not in eos] for seq in tokens["rksc"]]
     same = sum(a == b for a, b in zip(rksc_tokens, tokens["transformers generate_batch"]))
     report = {"requests": args.requests, "max_new_tokens": args.max_new_tokens, "same_tokens": same, "arms": {}}
@@ -94,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     print("| arm | median wall s | generated tokens | tok/s |\n|---|---:|---:|---:|")
     for name in arms:
         count = sum(len(seq) for seq in tokens[name])
-        wall = statistics.median(walls[name])
-        report["arms"][name] = {"wall_s": wall, "generated_tokens": count, "tok_s": count / wall, "runs": walls[name]}
+        wall = timings[name].median_s
+        report["arms"][name] = {"wall_s": wall, "generated_tokens": count, "tok_s": count / wall,
+                                "runs": timings[name].runs_s}
         print(f"| {name} | {wall:.2f} | {count} | {count / wall:.1f} |")
     ratio = report["arms"]["rksc"]["tok_s"] / report["arms"]["transformers generate_batch"]["tok_s"]
     report["ratio"] = ratio
@@ -103,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     report["ratio_padded_generate"] = padded
     print(f"\nrksc / transformers generate_batch (tok/s): {ratio:.2f}x; same tokens: {same}/{args.requests}")
     print(f"rksc / transformers generate on one padded batch (tok/s): {padded:.2f}x")
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(report, indent=2))
+    harness.write_json(args.json_out, report)
 
 
 if __name__ == "__main__":

@@ -14,36 +14,29 @@ time, and whether every completion equals the other arm's (both are exact).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
-# benchmarks/families.py: Python puts a script's own folder on sys.path.
-from families import char_tokenizer
-from rksc_bench.families import SLIDING_WINDOW, make_family_model
+from rksc_bench import harness
+from rksc_bench.families import SLIDING_WINDOW, char_tokenizer, make_family_model
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.config import EngineConfig, RSBCMConfig
 
 DEFAULT_FAMILIES = ("gemma3", "gpt-oss", "gemma2", "cohere2", "mistral-sliding")
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "window_eviction.json"
 WORDS = ("river", "stone", "north", "mill", "bridge", "field", "lamp", "crow", "salt", "gate", "moss", "tide")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="*", default=list(DEFAULT_FAMILIES))
-    parser.add_argument("--sessions", type=int, default=8, help="distinct prompts asked in turn (default 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=400, help="tokens per prompt (default 400)")
-    parser.add_argument("--rounds", type=int, default=3, help="times each prompt is asked (default 3)")
+    parser = harness.bench_parser(__file__, __doc__, model=False)  # tiny seeded models, no weights
+    parser.add_argument("--families", nargs="*", default=list(DEFAULT_FAMILIES),
+                        help=f"windowed families (default {' '.join(DEFAULT_FAMILIES)})")
+    parser.add_count("--sessions", 8, "distinct prompts asked in turn")
+    parser.add_count("--prompt-tokens", 400, "tokens per prompt")
+    parser.add_count("--rounds", 3, "times each prompt is asked")
     parser.add_argument("--budget-prompts", type=float, nargs="*", default=[3.0, 6.0],
                         help="cache budgets, in prompts whose KV they hold intact (default 3 6)")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    parser.add_max_new_tokens(8, "greedy tokens per request")
     args = parser.parse_args(argv)
-    for name in ("sessions", "prompt_tokens", "rounds", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.prompt_tokens <= 2 * SLIDING_WINDOW:
         parser.error(f"--prompt-tokens must be > {2 * SLIDING_WINDOW}, so that prompts leave the window")
     if not args.budget_prompts or min(args.budget_prompts) <= 0:
@@ -107,6 +100,7 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    harness.start_run(args)
     tokenizer = char_tokenizer()
     rows = []
     print(f"{args.sessions} sessions x {args.rounds} rounds, {args.prompt_tokens}-token prompts, "
@@ -122,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{on['window_freed_tokens']} | {on['evicted_tokens']} / {off['evicted_tokens']} | "
                   f"{on['seconds']:.2f} / {off['seconds']:.2f} | {row['same_completions']}/{row['requests']} |",
                   flush=True)
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                        indent=2))
+    harness.write_json(args.json_out, {"args": vars(args), "rows": rows})
     return 0
 
 

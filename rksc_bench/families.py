@@ -121,6 +121,21 @@ def family(name: str) -> Family:
     raise ValueError(f"family must be one of {[f.name for f in FAMILIES]}, got {name!r}")
 
 
+def char_tokenizer() -> Any:
+    """The character tokenizer these models are sized for: ``<pad>`` (0), ``<eos>`` (1), then one
+    token per character of ``string.printable`` (``VOCAB_SIZE`` in all), no chat template."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>"] + list(string.printable))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
 def make_family_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """A tiny seeded random causal LM of family ``name`` (eager attention, eval mode)."""
     from transformers import AutoModelForCausalLM

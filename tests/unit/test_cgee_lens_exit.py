@@ -1,35 +1,25 @@
-"""The level-2 exit rules of ``benchmarks/cgee_lens_exit.py``, replayed on recorded logit lenses."""
+"""The level-2 exit rules of ``benchmarks/cgee_lens_exit.py`` (``rksc_bench.lens_exit``), replayed on
+recorded logit lenses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
+import rksc_bench.cgee_ladder
+import rksc_bench.lens_exit
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.evaluation.workloads import ladder_problems, ladder_shots
 from rksc_engine.reasoning.cgee import CGEEConfig, lens_entropy, lens_exit_layer
 from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their string annotations through it
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def lens_exit():
-    return load("cgee_lens_exit")
+    return rksc_bench.lens_exit
 
 
 def yes_no(p_yes: float) -> list[float]:
@@ -125,7 +115,7 @@ def test_the_report_reads_saved_records_skips_single_candidates_and_renders(lens
 
 
 def test_the_replayed_last_layer_pick_is_the_verifiers_own_pick_on_a_real_run(lens_exit):
-    bench = load("cgee")
+    bench = rksc_bench.cgee_ladder
     engine = RKSCEngine(make_tiny_model(max_positions=2048), make_char_tokenizer())
     judge = LLMJudgeVerifier(engine, record_lens=True)
     batch = list(enumerate(ladder_problems(3, levels=(1, 2), seed=0)))

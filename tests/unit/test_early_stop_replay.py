@@ -1,17 +1,14 @@
 """``benchmarks/early_stop.py`` replays recorded full-``n`` branches through the early-stop monitor
-instead of generating again. That is only worth its tables if the replay is exact: for every rule,
-it must reach the same winner, decode the same tokens and launch and cancel the same branches as a
-live ``reason`` call with that rule on the same seeds."""
+(``rksc_bench.early_stop_replay``) instead of generating again. That is only worth its tables if the
+replay is exact: for every rule, it must reach the same winner, decode the same tokens and launch
+and cancel the same branches as a live ``reason`` call with that rule on the same seeds."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
+from rksc_bench import early_stop_replay
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.reasoning.cgee import CGEEConfig
 from rksc_engine.reasoning.early_stop import (
@@ -22,16 +19,7 @@ from rksc_engine.reasoning.early_stop import (
     LengthConfig,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 N = 8
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def parity(text: str) -> str | None:
@@ -50,7 +38,7 @@ RULES = {
 
 @pytest.mark.parametrize("seed", [0, 40, 90])
 def test_a_replayed_rule_matches_the_live_run_on_the_same_seeds(seed):
-    bench = load("early_stop")
+    bench = early_stop_replay
     engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer())
     params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, stop=("a", "o"))
     kwargs = dict(n=N, params=params, prompt="Q: pick\nA:", answer_extractor=parity, verifier=None,

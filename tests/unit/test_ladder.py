@@ -1,17 +1,17 @@
 """The difficulty ladder (``ladder_problems``, ``ladder_shots``), the accuracy calibration with its
-seeded split (``calibrate_split``), and the ladder path of ``benchmarks/cgee.py`` on a tiny model."""
+seeded split (``calibrate_split``), and the ladder path of ``benchmarks/cgee.py``
+(``rksc_bench.cgee_ladder``) on a tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import operator
 import re
-from pathlib import Path
 
 import pytest
 from conftest import make_char_tokenizer, make_tiny_model
 
+from rksc_bench import cgee_ladder
 from rksc_engine import RKSCEngine, SamplingParams
 from rksc_engine.evaluation.calibration import (
     CalibrationRecord,
@@ -36,7 +36,6 @@ from rksc_engine.reasoning.cgee import CGEEConfig, VoteSummary
 from rksc_engine.reasoning.few_shot import Problem, check_problems
 from rksc_engine.reasoning.verifier import LLMJudgeVerifier
 
-ROOT = Path(__file__).resolve().parents[2]
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -275,10 +274,7 @@ def test_an_outcome_round_trips_through_json_and_reads_as_a_calibration_record()
 # -- the benchmark's ladder path --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_cgee", ROOT / "benchmarks" / "cgee.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return cgee_ladder
 
 
 def run_tiny_ladder(bench):

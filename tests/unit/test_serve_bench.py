@@ -26,9 +26,9 @@ def test_the_quick_serve_benchmark_runs_on_a_model_directory_and_reports_every_a
     make_tiny_model(max_positions=4096).save_pretrained(model_dir)
     make_char_tokenizer().save_pretrained(model_dir)
     out = tmp_path / "serve.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # this checkout, as the test process
     run = subprocess.run([sys.executable, "benchmarks/serve.py", "--quick", "--model", str(model_dir),
-                          "--skip-transformers-serve", "--ray-replicas", "2", "--out", str(out)],
+                          "--skip-transformers-serve", "--ray-replicas", "2", "--out", str(out), "--no-lock"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -48,10 +48,10 @@ def test_poisson_arrivals_report_the_time_to_first_token_of_every_arm(tmp_path):
     model_dir = tmp_path / "tiny"
     make_tiny_model(max_positions=4096).save_pretrained(model_dir)
     make_char_tokenizer().save_pretrained(model_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # this checkout, as the test process
     run = subprocess.run([sys.executable, "benchmarks/serve.py", "--max-tokens", "8", "--model", str(model_dir),
                           "--arrivals", "poisson", "--clients", "3", "--arrival-rate", "20",
-                          "--skip-transformers-serve"],
+                          "--skip-transformers-serve", "--no-lock"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("| ")]
