@@ -47,12 +47,8 @@ from tqdm.auto import tqdm
 # benchmarks/branches.py: Python puts a script's own folder on sys.path.
 from branches import build_prompt_ids, load_problems, run_hf_batched, run_rksc
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
-from rksc_engine.kvcache.shared_prefix import (
-    ATTENTION_NAME,
-    BatchDecodeCache,
-    SharedPrefixCache,
-    attention_implementation,
-)
+from rksc_engine.kvcache.batch_decode import BatchDecodeCache
+from rksc_engine.kvcache.shared_prefix import ATTENTION_NAME, SharedPrefixCache, attention_implementation
 from rksc_engine.runtime.loading import cpu_supports_bf16
 from rksc_engine.runtime.sampling import choose_next_tokens, make_generators
 
