@@ -47,12 +47,8 @@ from rksc_bench.branch_runs import TEMPERATURE, TOP_P, run_hf_batched, run_rksc
 from rksc_bench.prompts import few_shot_prompt_ids
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.evaluation.workloads import synthetic_problems
-from rksc_engine.kvcache.shared_prefix import (
-    ATTENTION_NAME,
-    BatchDecodeCache,
-    SharedPrefixCache,
-    attention_implementation,
-)
+from rksc_engine.kvcache.batch_decode import BatchDecodeCache
+from rksc_engine.kvcache.shared_prefix import ATTENTION_NAME, SharedPrefixCache, attention_implementation
 from rksc_engine.runtime.loading import cpu_supports_bf16
 from rksc_engine.runtime.sampling import choose_next_tokens, make_generators
 

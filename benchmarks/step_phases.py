@@ -37,6 +37,7 @@ def time_phases(engine: RKSCEngine) -> collections.Counter:
     to the returned counter, under the phase's name."""
     from transformers import AttentionInterface
 
+    import rksc_engine.kvcache.batch_decode as batch_decode
     import rksc_engine.kvcache.shared_prefix as shared_prefix
     import rksc_engine.runtime.model_runner as model_runner
 
@@ -55,7 +56,7 @@ def time_phases(engine: RKSCEngine) -> collections.Counter:
     model_runner.ModelRunner.forward = timed("model forward", model_runner.ModelRunner.forward)
     attention = timed("split attention", shared_prefix.shared_prefix_attention)
     AttentionInterface.register(shared_prefix.ATTENTION_NAME, attention)
-    shared_prefix.BatchDecodeLayer.update = timed("KV write", shared_prefix.BatchDecodeLayer.update)
+    batch_decode.BatchDecodeLayer.update = timed("KV write", batch_decode.BatchDecodeLayer.update)
     modeling = __import__(type(engine.model).__module__, fromlist=["_"])
     for class_name, phase in (("MLP", "MLP"), ("RMSNorm", "norms")):
         for name in dir(modeling):

@@ -234,7 +234,8 @@ def batched_attention_step(requests, group, pool=None, **attention_kwargs):
     suffix values), (new keys, new values), query)``, in one ``BatchDecodeCache``; returns the
     output (B, 1, H, D). With ``pool`` (a ``SuffixPool``), the requests' suffixes are its slots.
     ``attention_kwargs`` are what a model passes (``sliding_window``, ...)."""
-    from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, shared_prefix_attention
+    from rksc_engine.kvcache.batch_decode import BatchDecodeCache
+    from rksc_engine.kvcache.shared_prefix import SharedPrefixCache, shared_prefix_attention
 
     caches = []
     for rows, segments, (suffix_k, suffix_v), _, _ in requests:

@@ -338,6 +338,65 @@ def _decoder_hidden(out: Any) -> list[torch.Tensor]:
     return list(out.hidden_states[1:])
 
 
+def _prefix_cache(cached_kv: torch.Tensor, num_tokens: int, model_config: Any) -> Any:
+    """A fresh cache holding the first ``num_tokens`` positions of ``cached_kv`` (L, 2, H_kv, T, D)."""
+    return _cache_from_layers([(cached_kv[i, 0, :, :num_tokens][None], cached_kv[i, 1, :, :num_tokens][None])
+                               for i in range(cached_kv.shape[0])], model_config)
+
+
+def _run(forward: Forward, ids: Sequence[int], cache: Any, device: torch.device, **kwargs: Any) -> Any:
+    return forward(torch.tensor([list(ids)], device=device), cache, logits_to_keep=1, **kwargs)
+
+
+@dataclass(frozen=True)
+class _DeviationProbe:
+    """What the deviation probe measured over the remainder; zero tokens when it did not run."""
+
+    tokens: int = 0
+    mean: float | None = None
+    max: float | None = None
+
+
+_NOT_PROBED = _DeviationProbe()
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """A request's prefill against one alignment once its span and the cached span are compared:
+    what each way of finishing it (exactly, or reusing the remainder) reads."""
+
+    prompt_ids: list[int]
+    alignment: Alignment
+    cached_kv: torch.Tensor  # (L, 2, H_kv, T, D), the cached sequence's KV
+    forward: Forward
+    model: Any
+    config: ASKSConfig
+    sigma: float
+
+    def run(self, ids: Sequence[int], cache: Any) -> Any:
+        """Run ``ids`` on top of ``cache``; the output's logits are the last position's."""
+        return _run(self.forward, ids, cache, self.cached_kv.device)
+
+    def reused_kv(self, layer: int, rotary: Any, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached remainder's KV (1, H_kv, T, D) from ``offset`` on, keys moved to the request's positions."""
+        start = self.alignment.prefix_tokens + self.alignment.cached_span_tokens  # in the cached sequence
+        stop = start + self.alignment.remainder_tokens
+        keys = rerotate_keys(self.cached_kv[layer, 0, :, start + offset:stop][None], self.alignment.position_shift,
+                             rotary)
+        return keys, self.cached_kv[layer, 1, :, start + offset:stop][None]
+
+    def decision(self, reused: bool, reused_tokens: int, recomputed_tokens: int,
+                 probe: _DeviationProbe = _NOT_PROBED) -> ASKSDecision:
+        alignment = self.alignment
+        return ASKSDecision(
+            reused=reused, sigma=self.sigma, tau=self.config.tau, prefix_tokens=alignment.prefix_tokens,
+            request_span_tokens=alignment.request_span_tokens, cached_span_tokens=alignment.cached_span_tokens,
+            remainder_tokens=alignment.remainder_tokens, position_shift=alignment.position_shift,
+            reused_tokens=reused_tokens, recomputed_tokens=recomputed_tokens, check_tokens=alignment.cached_span_tokens,
+            probe_tokens=probe.tokens, mean_deviation=probe.mean, max_deviation=probe.max,
+        )
+
+
 @torch.inference_mode()
 def prefill_with_asks(
     prompt_ids: list[int],
@@ -349,6 +408,10 @@ def prefill_with_asks(
 ) -> ASKSPrefill:
     """Prefill ``prompt_ids`` against the cached sequence of ``alignment``.
 
+    The request's span is computed exactly whatever happens; then the remainder is computed exactly
+    (``_compute_rest_exactly``), or reused and repaired nearest-first (``_repair_nearest``) or where
+    it deviates most (``_repair_by_deviation``).
+
     Args:
         prompt_ids: The request's token ids.
         alignment: Its realignment with a cached sequence (``find_alignment``).
@@ -359,94 +422,93 @@ def prefill_with_asks(
     """
     k, a, b, m = (alignment.prefix_tokens, alignment.request_span_tokens,
                   alignment.cached_span_tokens, alignment.remainder_tokens)
-    cached_ids = alignment.cached_ids
     device = cached_kv.device
-
-    def prefix_layers() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(cached_kv[i, 0, :, :k][None], cached_kv[i, 1, :, :k][None]) for i in range(cached_kv.shape[0])]
-
-    def run(ids: Sequence[int], cache: Any, **kwargs: Any) -> Any:
-        return forward(torch.tensor([list(ids)], device=device), cache, logits_to_keep=1, **kwargs)
-
     # The cached span's hidden states, recomputed over the exact shared prefix; its KV is thrown away.
-    check_cache = _cache_from_layers(prefix_layers(), model.config)
-    cached_hidden = _decoder_hidden(run(cached_ids[k:k + b], check_cache, output_hidden_states=True))
+    check_cache = _prefix_cache(cached_kv, k, model.config)
+    cached_hidden = _decoder_hidden(_run(forward, alignment.cached_ids[k:k + b], check_cache, device,
+                                         output_hidden_states=True))
     del check_cache
     # The request's span: exact KV that the request keeps whatever the decision.
-    cache = _cache_from_layers(prefix_layers(), model.config)
-    out = run(prompt_ids[k:k + a], cache, output_hidden_states=True)
+    cache = _prefix_cache(cached_kv, k, model.config)
+    out = _run(forward, prompt_ids[k:k + a], cache, device, output_hidden_states=True)
     sigma = span_similarity(_decoder_hidden(out), cached_hidden, config.alpha)
-
-    probe: dict[str, Any] = {}  # what the deviation probe measured, for the decision
-
-    def decision(reused: bool, reused_tokens: int, recomputed_tokens: int) -> ASKSDecision:
-        return ASKSDecision(
-            reused=reused, sigma=sigma, tau=config.tau, prefix_tokens=k, request_span_tokens=a,
-            cached_span_tokens=b, remainder_tokens=m, position_shift=a - b, reused_tokens=reused_tokens,
-            recomputed_tokens=recomputed_tokens, check_tokens=b, probe_tokens=probe.get("tokens", 0),
-            mean_deviation=probe.get("mean"), max_deviation=probe.get("max"),
-        )
-
-    def fall_back() -> ASKSPrefill:
-        # Compute the rest of the prompt exactly on top of the exact prefix and span.
-        out = run(prompt_ids[k + a:], cache)
-        return ASKSPrefill(cache, out.logits[:, -1, :], decision(False, 0, m), len(prompt_ids),
-                           len(prompt_ids) - k, k)
-
+    attempt = _Attempt(prompt_ids, alignment, cached_kv, forward, model, config, sigma)
     if max(sigma, 0.0) < config.tau:  # a negative similarity counts as 0, so tau = 0 always reuses
-        return fall_back()
-
+        return _compute_rest_exactly(attempt, cache)
     num_recomputed = min(m, int(round(config.recompute_fraction * m)))
     if num_recomputed == m:  # recomputing all of it is the exact path
-        return fall_back()
-    rotary = rotary_embedding_of(model)
-    start = k + b  # where the remainder starts in the cached sequence
-
-    def reused_kv(layer: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        # The cached remainder's KV (1, H_kv, T, D) from ``offset`` on, keys moved to the request's positions.
-        keys = rerotate_keys(cached_kv[layer, 0, :, start + offset:start + m][None], a - b, rotary)
-        return keys, cached_kv[layer, 1, :, start + offset:start + m][None]
-
+        return _compute_rest_exactly(attempt, cache)
     # On a model of at most two layers the probe would be a whole pass: repair nearest-first there.
     if config.recompute_selection == "nearest" or len(cache.layers) <= PROBE_LAYER + 1:
-        # The remainder tokens right after the span, recomputed exactly; the rest reused.
-        if num_recomputed:
-            run(prompt_ids[k + a:k + a + num_recomputed], cache)
-        layers = []
-        for i, layer in enumerate(cache.layers):
-            keys, values = reused_kv(i, num_recomputed)
-            layers.append((torch.cat((layer.keys, keys), dim=-2), torch.cat((layer.values, values), dim=-2)))
-        cache = _cache_from_layers(layers, model.config)
-        exact_end = k + a + num_recomputed
-    else:
-        run_first_layers(forward, model, prompt_ids[k + a:k + a + m], cache, PROBE_LAYER)
-        fresh_keys, fresh_values = (t[0, :, k + a:] for t in (cache.layers[PROBE_LAYER].keys,
-                                                              cache.layers[PROBE_LAYER].values))
-        old_keys, old_values = (t[0] for t in reused_kv(PROBE_LAYER))
-        deviation = kv_deviation(fresh_keys, fresh_values, old_keys, old_values)  # (m,)
-        probe.update(tokens=m, mean=float(deviation.mean()), max=float(deviation.max()))
-        if probe["mean"] > config.max_mean_deviation:
-            roll_back(cache, [k + a] * len(cache.layers))  # forget the probed layers' remainder
-            return fall_back()
-        # Layers up to the probe now hold the remainder's exact KV; the deeper ones take the reused KV.
-        layers = []
-        for i, layer in enumerate(cache.layers):
-            keys, values = layer.keys, layer.values
-            if i > PROBE_LAYER:
-                reused_keys, reused_values = reused_kv(i)
-                keys, values = torch.cat((keys, reused_keys), dim=-2), torch.cat((values, reused_values), dim=-2)
-            layers.append((keys, values))
-        cache = _cache_from_layers(layers, model.config)
-        if num_recomputed:
-            chosen = torch.topk(deviation, num_recomputed).indices.sort().values + (k + a)  # positions
-            recompute_positions(forward, model, prompt_ids, chosen, cache)
-        exact_end = k + a
+        return _repair_nearest(attempt, cache, num_recomputed)
+    return _repair_by_deviation(attempt, cache, num_recomputed)
+
+
+def _compute_rest_exactly(attempt: _Attempt, cache: Any, probe: _DeviationProbe = _NOT_PROBED) -> ASKSPrefill:
+    """The fallback: the rest of the prompt computed exactly on top of the exact prefix and span in
+    ``cache``; the whole prompt's KV is exact."""
+    prompt_ids, k = attempt.prompt_ids, attempt.alignment.prefix_tokens
+    out = attempt.run(prompt_ids[k + attempt.alignment.request_span_tokens:], cache)
+    decision = attempt.decision(False, 0, attempt.alignment.remainder_tokens, probe)
+    return ASKSPrefill(cache, out.logits[:, -1, :], decision, len(prompt_ids), len(prompt_ids) - k, k)
+
+
+def _repair_nearest(attempt: _Attempt, cache: Any, num_recomputed: int) -> ASKSPrefill:
+    """Reuse the remainder, its first ``num_recomputed`` tokens (those right after the span)
+    recomputed exactly, unprobed."""
+    prompt_ids, k, a = attempt.prompt_ids, attempt.alignment.prefix_tokens, attempt.alignment.request_span_tokens
+    if num_recomputed:
+        attempt.run(prompt_ids[k + a:k + a + num_recomputed], cache)
+    rotary = rotary_embedding_of(attempt.model)
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = attempt.reused_kv(i, rotary, num_recomputed)
+        layers.append((torch.cat((layer.keys, keys), dim=-2), torch.cat((layer.values, values), dim=-2)))
+    cache = _cache_from_layers(layers, attempt.model.config)
+    return _prefill_after_remainder(attempt, cache, num_recomputed, k + a + num_recomputed, _NOT_PROBED)
+
+
+def _repair_by_deviation(attempt: _Attempt, cache: Any, num_recomputed: int) -> ASKSPrefill:
+    """Run the remainder through the layers up to ``PROBE_LAYER`` (their KV exact), measure each
+    token's deviation there, and recompute the ``num_recomputed`` most-deviating tokens through every
+    layer; a remainder that deviates too much on average is computed exactly instead."""
+    prompt_ids, k, a = attempt.prompt_ids, attempt.alignment.prefix_tokens, attempt.alignment.request_span_tokens
+    m = attempt.alignment.remainder_tokens
+    rotary = rotary_embedding_of(attempt.model)
+    run_first_layers(attempt.forward, attempt.model, prompt_ids[k + a:k + a + m], cache, PROBE_LAYER)
+    fresh_keys, fresh_values = (t[0, :, k + a:] for t in (cache.layers[PROBE_LAYER].keys,
+                                                          cache.layers[PROBE_LAYER].values))
+    old_keys, old_values = (t[0] for t in attempt.reused_kv(PROBE_LAYER, rotary))
+    deviation = kv_deviation(fresh_keys, fresh_values, old_keys, old_values)  # (m,)
+    probe = _DeviationProbe(m, float(deviation.mean()), float(deviation.max()))
+    if probe.mean > attempt.config.max_mean_deviation:
+        roll_back(cache, [k + a] * len(cache.layers))  # forget the probed layers' remainder
+        return _compute_rest_exactly(attempt, cache, probe)
+    # Layers up to the probe now hold the remainder's exact KV; the deeper ones take the reused KV.
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer.keys, layer.values
+        if i > PROBE_LAYER:
+            reused_keys, reused_values = attempt.reused_kv(i, rotary)
+            keys, values = torch.cat((keys, reused_keys), dim=-2), torch.cat((values, reused_values), dim=-2)
+        layers.append((keys, values))
+    cache = _cache_from_layers(layers, attempt.model.config)
+    if num_recomputed:
+        chosen = torch.topk(deviation, num_recomputed).indices.sort().values + (k + a)  # positions
+        recompute_positions(attempt.forward, attempt.model, prompt_ids, chosen, cache)
+    return _prefill_after_remainder(attempt, cache, num_recomputed, k + a, probe)
+
+
+def _prefill_after_remainder(attempt: _Attempt, cache: Any, num_recomputed: int, num_exact_tokens: int,
+                             probe: _DeviationProbe) -> ASKSPrefill:
+    """Prefill the prompt's tail after the remainder on top of ``cache``, which holds the exact prefix
+    and span and the (repaired) reused remainder."""
+    prompt_ids, alignment = attempt.prompt_ids, attempt.alignment
+    k, m = alignment.prefix_tokens, alignment.remainder_tokens
     reused = m - num_recomputed
-    out = run(prompt_ids[k + a + m:], cache)
-    return ASKSPrefill(
-        cache, out.logits[:, -1, :], decision(True, reused, num_recomputed), exact_end,
-        len(prompt_ids) - k - reused, k + reused,
-    )
+    out = attempt.run(prompt_ids[k + alignment.request_span_tokens + m:], cache)
+    return ASKSPrefill(cache, out.logits[:, -1, :], attempt.decision(True, reused, num_recomputed, probe),
+                       num_exact_tokens, len(prompt_ids) - k - reused, k + reused)
 
 
 # -- deviation probe and selective recompute ------------------------------------------------------

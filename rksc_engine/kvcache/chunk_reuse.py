@@ -3,12 +3,13 @@
 A retrieval-augmented prompt is a header, k retrieved chunks and a question, and from one query to the
 next the same chunks come back in another order and combination. Token-exact prefix caching stops at
 the first chunk that differs, so most of the context is recomputed every time. Here (the idea of
-CacheBlend, EuroSys '25) the prompt is cut into segments at a text separator, and every segment
-between the first and the last is a *chunk*:
+CacheBlend, EuroSys '25) the prompt is cut into context spans at a text separator, and every span
+between the first and the last is a *chunk*. (A span is a piece of the prompt's tokens; a KV
+*segment*, elsewhere in this package, is a block of cached KV read in place.)
 
-1. **Segmentation** (``segment_spans``): the prompt is tokenised once, as the full-recompute reference
+1. **Spans** (``segment_spans``): the prompt is tokenised once, as the full-recompute reference
    tokenises it, and the cuts are placed on token boundaries found through the tokenizer's character
-   offsets. A chunk is therefore a run of the reference's own token ids: segmentation never changes
+   offsets. A chunk is therefore a run of the reference's own token ids: cutting never changes
    how a prompt is tokenised, and a chunk whose tokens differ in another prompt (a separator merged
    into a neighbouring token) simply does not match.
 2. **Chunk KV**: a chunk is cached as the token sequence ``anchor + chunk`` in the token-exact radix
@@ -57,14 +58,14 @@ from .memory import roll_back
 Forward = Callable[..., Any]
 
 
-# -- segmentation ---------------------------------------------------------------------------------
+# -- context spans --------------------------------------------------------------------------------
 def segment_spans(text: str, offsets: Sequence[tuple[int, int]], separator: str) -> list[tuple[int, int]]:
     """Token spans ``[start, end)`` that tile the prompt, cut after each occurrence of ``separator``.
 
     ``offsets`` are the tokenizer's ``(start_char, end_char)`` per token of ``text``. A cut goes before
     the first token that starts at or after the separator's end, so a separator merged into a longer
     token (three newlines as one token) moves the cut to after that token: the spans only ever group
-    the reference's own tokens. Each separator stays at the end of the segment it closes.
+    the reference's own tokens. Each separator stays at the end of the span it closes.
     """
     if not separator or not offsets:
         return [(0, len(offsets))] if offsets else []
@@ -179,7 +180,7 @@ def prefill_with_chunks(
         forward: ``forward(input_ids (1, T), cache, **kwargs)`` running the model on top of ``cache``.
         model: The ``transformers`` model (its config, rotary embedding and decoder layers).
         config: ASKS settings (``recompute_fraction``, ``recompute_selection``, ``max_mean_deviation``).
-        num_segments, num_cached_chunks: For the decision record: segments in the prompt, and chunks
+        num_segments, num_cached_chunks: For the decision record: context spans in the prompt, and chunks
             that had to be prefilled on their own for this prompt.
     """
     device = next(model.parameters()).device

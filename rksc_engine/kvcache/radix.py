@@ -267,25 +267,6 @@ class EvictedBlock:
     omega: float
 
 
-class PrefixCache(ABC):
-    """What the engine needs of a prefix cache."""
-
-    @abstractmethod
-    def match_prefix(self, token_ids: list[int], max_tokens: int | None = None) -> PrefixMatch: ...
-
-    @abstractmethod
-    def insert(self, token_ids: list[int], kv: torch.Tensor) -> int: ...
-
-    @abstractmethod
-    def lock(self, node: RadixNode) -> None: ...
-
-    @abstractmethod
-    def unlock(self, node: RadixNode) -> None: ...
-
-    @abstractmethod
-    def evict(self, num_bytes: int) -> int: ...
-
-
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy that owns its storage, so a block's bytes are exactly its own."""
     return t.clone(memory_format=torch.contiguous_format)
@@ -305,7 +286,7 @@ def _any_locked(nodes: list[RadixNode]) -> bool:
     return any(node.lock_ref > 0 for node in nodes)
 
 
-class RadixPrefixCache(PrefixCache):
+class RadixPrefixCache:
     """Token-exact prefix cache of KV blocks under a byte budget.
 
     Not thread-safe by itself: the engine serialises access under its own lock.

@@ -77,10 +77,11 @@ def suffix_mask(lengths: list[int], device: torch.device, dtype: torch.dtype = t
 class SuffixPool:
     """The suffix rows of the requests it adopted, in slots of one tensor per layer.
 
-    A cache the pool adopted has ``suffix_pool`` set to the pool and ``pool_slot`` to its first slot;
-    its layers' ``keys``/``values`` are views of the pool's tensors, so everything that reads or
-    writes them in place (``update``, ``crop``, ``batch_select_indices``, ``suffix_kv``) works as on
-    buffers of its own. The pool rebinds the views whenever it rebuilds.
+    A cache the pool adopted holds its suffix in views of the pool's tensors from its first slot
+    on (``SharedPrefixCache.attach_pool_slot``; its ``suffix_pool`` is then the pool), so
+    everything that reads or writes them in place works as on buffers of its own. The pool hands
+    the cache new views whenever it rebuilds, and the cache lets go of them when it leaves
+    (``SharedPrefixCache.detach_pool``).
 
     Args:
         max_tokens: Most suffix tokens a pooled row may hold (the capacity's ceiling); a request
@@ -171,18 +172,8 @@ class SuffixPool:
         decoding); without, its layers are left without a suffix (it is done)."""
         if not self.holds(cache):
             return
-        if keep_capacity is not None:  # every layer's buffers allocated before any is bound
-            private = [layer.resized_buffers(doubled_to(layer.keys.shape[2], keep_capacity)) for layer in cache.layers]
-            for layer, (keys, values) in zip(cache.layers, private):
-                layer.keys, layer.values = keys, values
-        else:  # fresh empty tensors: a view, even an empty one, would keep the pool's memory alive
-            for layer in cache.layers:
-                layer.keys = layer.keys.new_empty((*layer.keys.shape[:2], 0, layer.keys.shape[3]))
-                layer.values = layer.values.new_empty((*layer.values.shape[:2], 0, layer.values.shape[3]))
-        for layer in cache.layers:
-            layer.on_grow = None
+        cache.detach_pool(keep_capacity)
         self._members = [(ref, slots) for ref, slots in self._members if ref() is not cache]
-        cache.suffix_pool, cache.pool_slot = None, None
         if not self._live_members():  # idle: give the memory back
             self.keys, self.values = [], []
 
@@ -237,24 +228,8 @@ class SuffixPool:
             self._bind(cache, slot, rows)
 
     def _bind(self, cache: Any, slot: int, rows: int) -> None:
-        cache.suffix_pool, cache.pool_slot = self, slot
-        reference = weakref.ref(cache)
-        for index, layer in enumerate(cache.layers):
-            layer.keys = self.keys[index][slot:slot + rows]
-            layer.values = self.values[index][slot:slot + rows]
-            layer.on_grow = _RoomMaker(self, reference)
-
-
-class _RoomMaker:
-    """What a pooled layer calls when a write needs more room than its view has."""
-
-    def __init__(self, pool: SuffixPool, cache: weakref.ref) -> None:
-        self.pool, self.cache = pool, cache
-
-    def __call__(self, needed: int) -> None:
-        cache = self.cache()
-        if cache is not None:
-            self.pool.make_room(cache, needed)
+        cache.attach_pool_slot(self, slot, [keys[slot:slot + rows] for keys in self.keys],
+                               [values[slot:slot + rows] for values in self.values])
 
 
 def doubled_to(capacity: int, needed: int) -> int:

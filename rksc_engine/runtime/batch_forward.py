@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kvcache.shared_prefix import ATTENTION_NAME, BatchDecodeCache, attention_implementation, logit_tolerance
+from ..kvcache.batch_decode import BatchDecodeCache
+from ..kvcache.probe import logit_tolerance
+from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
 from .model_runner import ModelRunner
 from .prefill import Prefilled, Prefiller
 from .request import Request

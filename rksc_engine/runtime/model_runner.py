@@ -25,8 +25,8 @@ from ..kvcache.cache_layers import (
     unsupported_layer_types,
 )
 from ..kvcache.memory import run_with_oom_retry
+from ..kvcache.probe import ProbeResult, probe
 from ..kvcache.radix import RadixPrefixCache
-from ..kvcache.shared_prefix import ProbeResult, probe
 from . import weight_left_linear
 from .stats import Counters
 

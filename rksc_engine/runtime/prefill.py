@@ -21,8 +21,9 @@ from ..config import ASKSConfig
 from ..kvcache import asks, chunk_reuse
 from ..kvcache.cache_layers import has_sliding_layers
 from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory
+from ..kvcache.probe import logit_tolerance
 from ..kvcache.radix import RadixPrefixCache
-from ..kvcache.shared_prefix import SharedPrefixCache, logit_tolerance
+from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.state_snapshots import StateSnapshots
 from ..results import ASKSDecision, ChunkReuseDecision
 from .model_runner import ModelRunner

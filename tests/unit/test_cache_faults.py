@@ -13,9 +13,10 @@ import rksc_engine.kvcache.radix as prefix_cache
 import rksc_engine.kvcache.shared_prefix as shared_prefix
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig, SchedulerConfig
+from rksc_engine.kvcache.batch_decode import BatchDecodeCache
 from rksc_engine.kvcache.memory import run_with_oom_retry
 from rksc_engine.kvcache.radix import RadixPrefixCache
-from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache, SharedPrefixLayer
+from rksc_engine.kvcache.shared_prefix import SharedPrefixCache, SharedPrefixLayer
 
 NUM_KV_HEADS, HEAD_DIM = 2, 4
 

@@ -11,7 +11,7 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, RSBCMConfig, SamplingParams
 from rksc_engine.config import MAX_SEED
-from rksc_engine.kvcache.shared_prefix import ProbeResult
+from rksc_engine.kvcache.probe import ProbeResult
 
 
 def make_engine(**config) -> RKSCEngine:

@@ -8,11 +8,11 @@ from conftest import AttentionModuleStub, batched_attention_step, make_char_toke
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
+from rksc_engine.kvcache.probe import probe
 from rksc_engine.kvcache.shared_prefix import (
     ATTENTION_NAME,
     SharedPrefixCache,
     attention_implementation,
-    probe,
     shared_prefix_attention,
 )
 

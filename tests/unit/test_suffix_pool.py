@@ -13,12 +13,14 @@ from conftest import (
     make_tiny_model,
 )
 
+import rksc_engine.kvcache.batch_decode as batch_decode
 import rksc_engine.kvcache.shared_prefix as shared_prefix
 import rksc_engine.kvcache.split_attention as split_attention
 import rksc_engine.kvcache.suffix_pool as suffix_pool
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.kvcache.shared_prefix import BatchDecodeCache, SharedPrefixCache
+from rksc_engine.kvcache.batch_decode import BatchDecodeCache
+from rksc_engine.kvcache.shared_prefix import SharedPrefixCache
 from rksc_engine.kvcache.suffix_pool import SUFFIX_ALIGNMENT, SuffixPool
 
 NUM_KV_HEADS, HEAD_DIM, GROUP = 3, 16, 2
@@ -86,7 +88,7 @@ def test_a_step_of_pooled_requests_makes_one_suffix_call_and_one_write_a_layer(m
     """Four requests decoding together: one suffix attention call and one KV write per layer and step,
     where buffers of their own take one of each per request."""
     calls = {"pooled": 0, "own": 0}
-    pooled_attention, own_update = shared_prefix.pooled_suffix_attention, shared_prefix.SharedPrefixLayer.update
+    pooled_attention, own_update = batch_decode.pooled_suffix_attention, shared_prefix.SharedPrefixLayer.update
 
     def counted_pooled(*args, **kwargs):
         calls["pooled"] += 1
@@ -96,7 +98,7 @@ def test_a_step_of_pooled_requests_makes_one_suffix_call_and_one_write_a_layer(m
         calls["own"] += 1
         return own_update(layer, *args, **kwargs)
 
-    monkeypatch.setattr(shared_prefix, "pooled_suffix_attention", counted_pooled)
+    monkeypatch.setattr(batch_decode, "pooled_suffix_attention", counted_pooled)
     monkeypatch.setattr(shared_prefix.SharedPrefixLayer, "update", counted_own)
     engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(), EngineConfig(decode_attention="shared_prefix"))
     params = SamplingParams(max_new_tokens=6)
@@ -237,6 +239,50 @@ def test_adoption_moves_the_suffix_into_views_of_the_pool():
     assert_same_suffixes(suffixes(cache), before)
     layer.update(torch.ones(2, NUM_KV_HEADS, 1, HEAD_DIM), torch.ones(2, NUM_KV_HEADS, 1, HEAD_DIM))
     assert torch.equal(pool.keys[0][:2, :, 5], torch.ones(2, NUM_KV_HEADS, HEAD_DIM)), "a write missed the pool"
+
+
+class _RoomRecorder:
+    """Stands in for a pool: records each request for room and answers it by sending the cache to
+    buffers of its own, as a pool past its limit does."""
+
+    def __init__(self):
+        self.asked = []
+
+    def make_room(self, cache, needed):
+        self.asked.append((cache, needed))
+        cache.detach_pool(keep_capacity=needed)
+
+
+def test_a_cache_binds_the_slot_views_it_is_given_and_detaches_into_buffers_of_its_own():
+    gen = torch.Generator().manual_seed(3)
+    prefix = [(randn(gen, 1, NUM_KV_HEADS, 4, HEAD_DIM),) * 2 for _ in range(2)]
+    cache = SharedPrefixCache(prefix, 2, suffix_capacity=1)
+    for layer in cache.layers:
+        layer.update(randn(gen, 2, NUM_KV_HEADS, 3, HEAD_DIM), randn(gen, 2, NUM_KV_HEADS, 3, HEAD_DIM))
+    before = suffixes(cache)
+    slot_keys = [torch.zeros(4, NUM_KV_HEADS, 8, HEAD_DIM) for _ in cache.layers]  # 4 slots of 8 tokens
+    slot_values = [torch.zeros(4, NUM_KV_HEADS, 8, HEAD_DIM) for _ in cache.layers]
+    for layer, keys, values in zip(cache.layers, slot_keys, slot_values):
+        layer.copy_suffix_into(keys[1:3], values[1:3])
+    pool = _RoomRecorder()
+    cache.attach_pool_slot(pool, 1, [keys[1:3] for keys in slot_keys], [values[1:3] for values in slot_values])
+    assert cache.suffix_pool is pool and cache.pool_slot == 1
+    assert_same_suffixes(suffixes(cache), before)
+    new = torch.full((2, NUM_KV_HEADS, 1, HEAD_DIM), 5.0)
+    cache.layers[0].update(new, new)
+    assert torch.equal(slot_keys[0][1:3, :, 3:4], new), "a write into an attached cache missed its slots"
+    more = torch.full((2, NUM_KV_HEADS, 6, HEAD_DIM), 7.0)
+    cache.layers[1].update(more, more)  # 3 + 6 tokens: past the slots' 8, so the cache asks for room
+    assert pool.asked == [(cache, 9)], "a write past the slots' room did not ask the pool"
+    assert cache.suffix_pool is None and cache.pool_slot is None
+    for layer, keys in zip(cache.layers, slot_keys):
+        assert layer.keys.untyped_storage().data_ptr() != keys.untyped_storage().data_ptr(), "still in the slots"
+        assert layer.keys.shape[2] >= 9 and layer.on_grow is None
+    (keys0, values0), (keys1, values1) = suffixes(cache)
+    assert torch.equal(keys0[:, :, :3], before[0][0]) and torch.equal(keys0[:, :, 3:], new)
+    assert torch.equal(values1[:, :, :3], before[1][1]) and torch.equal(values1[:, :, 3:], more)
+    cache.detach_pool()
+    assert all(layer.keys.shape[2] == 0 and layer.values.shape[2] == 0 for layer in cache.layers)
 
 
 def test_growing_past_the_capacity_rebinds_every_member_with_its_tokens():
