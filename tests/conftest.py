@@ -80,6 +80,24 @@ def make_char_tokenizer():
     return tok
 
 
+def make_byte_tokenizer(tokenizer_class=None):
+    """A byte-level BPE tokenizer without merges (one token per UTF-8 byte, as a GPT-2-style
+    vocabulary spells any text), with ``<pad>``/``<eos>`` and the tiny chat template; 258 ids, so
+    use ``make_tiny_model(vocab_size=258)``. ``tokenizer_class``: a subclass of
+    ``PreTrainedTokenizerFast`` to build (one that watches its calls, say)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = (tokenizer_class or PreTrainedTokenizerFast)(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def make_tiny_model(seed: int = 0, vocab_size: int = 102, num_layers: int = 2, max_positions: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -12,20 +12,28 @@ answer can differ from the full run's; with verification skipped or no judge it 
 Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
 multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
 When it is skipped, the vote winner is the answer.
+
+Cancellation (``cancel=CancelToken()``): cancelling the token cancels the branches in flight, and the
+call checks it again before the verifier pass; either way it raises ``RequestCancelled``. ``areason``
+cancels its own token when the task awaiting it is cancelled, so a verifier pass that has not
+started never runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CGEEConfig, SamplingParams
 from ..protocol import LocalEngine
+from ..runtime.cancel import CancelToken, check_cancel_token
+from ..runtime.handle import RequestCancelled
 from .answers import extract_gsm8k_answer, majority_vote
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
 from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
@@ -199,30 +207,52 @@ def reason(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    cancel: CancelToken | None = None,
 ) -> ReasoningResult:
     """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
 
     ``cgee=None`` uses the engine's ``EngineConfig.cgee``. ``early_stop``: ``"decided"`` (default,
     exact), ``"answered"``, ``"adaptive"``, ``"confidence"``, an ``EarlyStopConfig``, or None to run
-    every branch to its end. Every argument is checked before anything is generated: a bad one
-    raises ``TypeError``/``ValueError`` naming it, with the engine untouched.
+    every branch to its end. ``cancel``: a ``CancelToken`` that stops the call (its branches at
+    once, or before the verifier pass) with ``RequestCancelled``. Every argument is checked before
+    anything is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine
+    untouched.
     """
     plan = plan_reasoning(engine, question, n=n, params=params, few_shot=few_shot, prompt=prompt,
-                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop)
+                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop,
+                          cancel=cancel)
     start = time.perf_counter()
     handle, monitor = launch_branches(engine, plan)
-    completions = handle.result() if monitor is not None else handle
+    completions = wait_for_branches(plan, handle)
     return finish_reasoning(plan, completions, time.perf_counter() - start, monitor)
 
 
 def launch_branches(engine: LocalEngine, plan: ReasoningPlan) -> tuple[Any, EarlyStopMonitor | None]:
-    """Start ``plan``'s branches: with early stop, a submitted request watched by its monitor (the
-    ``RequestHandle`` and the monitor); without, the completions of all ``n`` branches and None."""
+    """Submit ``plan``'s branches (after checking its ``cancel`` token): the ``RequestHandle`` and,
+    with early stop, the monitor that watches it (else None)."""
+    _check_cancel(plan, "reasoning")
     if plan.early_stop is None:
-        return engine.generate_branches(plan.messages, plan.n, plan.params), None
+        return engine.submit(plan.messages, plan.n, plan.params), None
     monitor = EarlyStopMonitor(plan.early_stop, n=plan.n, extract=plan.extract,
                                max_new_tokens=plan.params.max_new_tokens)
     return submit_branches(engine, plan.messages, plan.n, plan.params, monitor), monitor
+
+
+def wait_for_branches(plan: ReasoningPlan, handle: Any) -> list[Any]:
+    """The completions of ``handle``; cancelling ``plan.cancel`` meanwhile cancels it (``RequestCancelled``)."""
+    if plan.cancel is None:
+        return handle.result()
+    with plan.cancel.cancelling([handle]):
+        try:
+            return handle.result()
+        except RequestCancelled:
+            _check_cancel(plan, "reasoning, while its branches decoded")
+            raise
+
+
+def _check_cancel(plan: ReasoningPlan, what: str) -> None:
+    if plan.cancel is not None:
+        plan.cancel.raise_if_cancelled(what)
 
 
 def submit_branches(engine: LocalEngine, prompt: Any, n: int, params: SamplingParams,
@@ -245,19 +275,28 @@ def branch_answers(completions: Sequence[Any], extract: AnswerExtractor,
 
 
 async def areason(engine: LocalEngine, question: str, **kwargs: Any) -> ReasoningResult:
-    """``reason`` for asyncio: the branches are awaited from the scheduler (the event loop stays
-    free while they decode, batched with every other request); the verifier's one pass runs in a
-    worker thread. Same arguments and result as ``reason``."""
-    import asyncio
-
+    """``reason`` for asyncio: the prompt is encoded and the verifier's one pass runs in worker
+    threads, and the branches are awaited from the scheduler, so the event loop stays free (they
+    decode batched with every other request). Cancelling the awaiting task cancels the branches,
+    and the ``cancel`` token (one of its own when given none), so a verifier pass not yet started
+    never runs. Same arguments and result as ``reason``."""
     plan = plan_reasoning(engine, question, **kwargs)
-    start = time.perf_counter()
-    if plan.early_stop is None:
-        monitor, completions = None, await engine.submit(plan.messages, plan.n, plan.params)
-    else:
-        handle, monitor = launch_branches(engine, plan)
-        completions = await handle
-    return await asyncio.to_thread(finish_reasoning, plan, completions, time.perf_counter() - start, monitor)
+    if plan.cancel is None:
+        plan = replace(plan, cancel=CancelToken())
+    assert plan.cancel is not None
+    try:
+        start = time.perf_counter()
+        handle, monitor = await asyncio.to_thread(launch_branches, engine, plan)
+        with plan.cancel.cancelling([handle]):
+            try:
+                completions = await handle
+            except RequestCancelled:
+                _check_cancel(plan, "reasoning, while its branches decoded")
+                raise
+        return await asyncio.to_thread(finish_reasoning, plan, completions, time.perf_counter() - start, monitor)
+    except asyncio.CancelledError:
+        plan.cancel.cancel()
+        raise
 
 
 @dataclass(frozen=True)
@@ -272,6 +311,7 @@ class ReasoningPlan:
     judge: Verifier
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
+    cancel: CancelToken | None = None
 
 
 def default_cgee(engine: LocalEngine) -> CGEEConfig:
@@ -291,6 +331,7 @@ def plan_reasoning(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    cancel: CancelToken | None = None,
 ) -> ReasoningPlan:
     """Check every argument of ``reason`` (nothing runs): ``TypeError``/``ValueError`` naming the bad one."""
     if not isinstance(question, str):
@@ -313,15 +354,18 @@ def plan_reasoning(
     judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     stop = resolve_early_stop(early_stop)
+    cancel = check_cancel_token(cancel)
 
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
                      monitor: EarlyStopMonitor | None = None) -> ReasoningResult:
     """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``;
-    with ``monitor``, only the branches its rules left in the vote are voted."""
+    with ``monitor``, only the branches its rules left in the vote are voted. ``RequestCancelled``
+    before the verifier pass when ``plan.cancel`` is cancelled."""
     branches = branch_answers(completions, plan.extract, monitor)
+    _check_cancel(plan, "reasoning, before its verifier pass")
     answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
     _, votes = majority_vote([b.answer for b in branches])
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),

@@ -28,6 +28,11 @@ branch would be. A stopped child (status ``"stopped"``) stays in the tree with t
 the beam never keeps it, so it is never expanded and its KV is never cached. Children are scored, not
 voted, so the vote rules (``decided``, ``answered``, ``adaptive``) do not apply. The monitor reads only
 each child's own tokens, so the tree still does not depend on batching (``expand_together``).
+
+Cancellation (``cancel=CancelToken()``): the search checks the token before each level and before
+each scoring pass, and cancelling it cancels the level's requests in flight at once (they end at
+the scheduler's next step). A cancelled search raises ``RequestCancelled`` saying how many levels it
+had finished; the steps it had cached stay in the prefix cache with the scores they were given.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +50,8 @@ from tqdm.auto import tqdm
 from ..config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
 from ..protocol import LocalEngine
 from ..results import Completion
+from ..runtime.cancel import CancelToken, check_cancel_token
+from ..runtime.handle import RequestCancelled, RequestHandle
 from .cgee import CGEEConfig
 from .early_stop import (
     EARLY_STOP_RULES,
@@ -236,6 +244,7 @@ def tree_search(
     progress: bool = False,
     expand_together: bool = True,
     early_stop: None | str | EarlyStopConfig = None,
+    cancel: CancelToken | None = None,
 ) -> SearchResult:
     """Beam search over reasoning steps; see ``RKSCEngine.tree_search``.
 
@@ -266,9 +275,14 @@ def tree_search(
             ``EarlyStopMonitor`` and those it stops or leaves out get status ``"stopped"`` and are never
             kept or expanded. Only ``length`` and ``confidence`` apply (children are scored, not
             voted): ``answered``/``adaptive`` raise ``ValueError``; ``decided`` is ignored.
+        cancel: A ``CancelToken`` another thread may cancel: the search stops before its next level
+            or scoring pass, and its requests in flight are cancelled at once.
 
     Returns:
         A ``SearchResult``.
+
+    Raises:
+        RequestCancelled: ``cancel`` was cancelled before the search ended.
 
     Example:
         >>> result = engine.tree_search("Tom has 3 bags of 4 apples. How many apples?", breadth=3, depth=6,
@@ -310,6 +324,7 @@ def tree_search(
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig or None, got {type(cgee).__name__}")
     stop_config = resolve_search_early_stop(early_stop)
+    cancel = check_cancel_token(cancel)
     judge = _resolve_scorer(engine, scorer)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     root_ids = engine.encode(messages)
@@ -320,6 +335,7 @@ def tree_search(
     search = _Search(engine, question, root_ids, breadth, beam, step_delimiter, judge, params, final_marker,
                      demote_pruned, cgee)
     search.concurrent = expand_together
+    search.cancel = cancel
     if stop_config is not None:
         search.enable_early_stop(stop_config, extract)
     start = time.perf_counter()
@@ -356,6 +372,8 @@ class _Search:
         self.early_stop: EarlyStopConfig | None = None
         self.extract: Callable[[str], str | None] | None = None
         self.early_stop_totals: dict[str, Any] | None = None
+        self.cancel: CancelToken | None = None
+        self.num_levels = 0  # levels expanded and scored
 
     def enable_early_stop(self, config: EarlyStopConfig, extract: Callable[[str], str | None]) -> None:
         """Run every expansion's children under an ``EarlyStopMonitor`` of ``config`` (already
@@ -367,11 +385,29 @@ class _Search:
                                   "stopped_by": {rule: 0 for rule in rules}}
 
     def run(self, depth: int, progress: bool) -> None:
+        """Expand, score and prune level after level; ``RequestCancelled`` once ``cancel`` is set."""
+        try:
+            self._run(depth, progress)
+        except RequestCancelled:
+            if self.cancel is None or not self.cancel.cancelled:
+                raise  # a request cancelled by someone else: not this search's own cancellation
+            raise RequestCancelled(f"tree search cancelled by its CancelToken after {self.num_levels} finished "
+                                   f"levels ({self.num_expansions} expansions)") from None
+
+    def _check_cancel(self) -> None:
+        if self.cancel is not None:
+            self.cancel.raise_if_cancelled("tree search")
+
+    def _run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
-            children = self._expand_level(self.frontier)
+            self._check_cancel()
+            with self._level_requests() as submitted:
+                children = self._expand_level(self.frontier, submitted)
             if not children:
                 break
+            self._check_cancel()
             self._score(children)
+            self.num_levels += 1
             # Stopped children keep their score for inspection but never compete for the beam.
             ranked = sorted((i for i in children if self.nodes[i].status != "stopped"),
                             key=lambda i: (-self.nodes[i].branch_score, i))
@@ -389,10 +425,11 @@ class _Search:
             if not self.frontier:
                 break
 
-    def _expand_level(self, frontier: list[int]) -> list[int]:
+    def _expand_level(self, frontier: list[int], submitted: list[RequestHandle]) -> list[int]:
         """Expand every frontier node; all their requests are submitted before any is waited on, so
         the scheduler decodes the whole level in one batch. Node ``i``'s children draw from seeds
-        ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching."""
+        ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching.
+        Each request's handle goes into ``submitted`` as soon as it is made (``_level_requests``)."""
         handles = {}
         monitors: dict[int, EarlyStopMonitor] = {}
         for index in frontier:
@@ -409,6 +446,8 @@ class _Search:
                                                              max_new_tokens=params.max_new_tokens)
                 handles[index] = self.engine.submit(ids, self.breadth, params, monitor=monitor,
                                                     max_branches=self.breadth)
+            submitted.append(handles[index])
+            self._check_cancel()  # a cancel that ran before the append did not see this handle
             if not self.concurrent:
                 handles[index] = handles[index].result()
         children = []
@@ -422,6 +461,19 @@ class _Search:
             children += self._add_children(index, done if isinstance(done, list) else done.result(),
                                            monitors.get(index))
         return children
+
+    @contextmanager
+    def _level_requests(self) -> Iterator[list[RequestHandle]]:
+        """A list for the level's submitted handles: cancelling the search cancels them at once, and so
+        does any error that ends the level (nobody would read them)."""
+        submitted: list[RequestHandle] = []
+        with self.cancel.cancelling(submitted) if self.cancel is not None else nullcontext():
+            try:
+                yield submitted
+            except BaseException:
+                for handle in submitted:
+                    handle.cancel()
+                raise
 
     def _stopped_children(self, completions: list[Completion], monitor: EarlyStopMonitor | None) -> dict[int, str]:
         """Per branch index of a child an early-stop rule took out, the rule; counted in the totals."""

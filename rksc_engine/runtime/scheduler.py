@@ -23,6 +23,15 @@ lock, so a stream read in one thread, closed in another, dropped, or stalled nev
 The loop runs on a daemon thread started at the first submit, which exits after a short idle spell
 (so an engine nobody uses can be garbage-collected). A caller that holds the engine lock itself
 (``with engine.exclusive():``) drives the steps from its own thread instead, so nothing deadlocks.
+
+What a request's own hook raises (its logits processor, its monitor) fails that request alone,
+whatever its type (``SystemExit`` and other ``BaseException``s reach its caller as a ``RuntimeError``
+caused by them), and the step goes on for the others. The one exception is a ``KeyboardInterrupt``
+on the main thread, which drives steps inside ``engine.exclusive()``: Python delivers Ctrl-C there
+wherever the main thread happens to be, a hook included, so it is the user stopping the program,
+not the hook failing. It stops the step, fails the step's requests and propagates. No signal
+reaches the loop's own thread, so a ``KeyboardInterrupt`` there was raised by the hook itself and
+fails its request alone.
 """
 
 from __future__ import annotations
@@ -297,8 +306,8 @@ class Scheduler:
         """One scheduling step (the caller holds the engine lock).
 
         An error no request could absorb fails the requests it touched (running and prefilling)
-        and leaves the engine usable. A ``BaseException`` (``SystemExit`` or ``KeyboardInterrupt``
-        from a user's hook, say) fails them the same way, then propagates to whoever drove the
+        and leaves the engine usable. A ``BaseException`` (Ctrl-C on the main thread, or ``SystemExit``
+        from a model's forward hook, say) fails them the same way, then propagates to whoever drove the
         step: their callers are never left waiting for a step that will not come."""
         self._stepping = True
         try:
@@ -786,13 +795,17 @@ class Scheduler:
 
     def _advance_or_fail(self, request: Request, logits: torch.Tensor,
                          chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-        """``_advance``, but an error (a failing logits processor or monitor, say) fails this request alone."""
+        """``_advance``, but an error (a failing logits processor or monitor, say) fails this request
+        alone; only a ``KeyboardInterrupt`` on the main thread stops the step (module docstring)."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
         try:
             return self._advance(request, logits, chosen)
-        except KeyboardInterrupt:  # the user's Ctrl-C, delivered to a thread driving the step: stop it
-            raise
+        except KeyboardInterrupt as error:
+            if threading.current_thread() is threading.main_thread():
+                raise  # the user's Ctrl-C, wherever the main thread was: it stops the step (module docstring)
+            self._fail(request, _as_failure(error))  # no signal reaches this thread: the hook raised it
+            return False
         except BaseException as error:  # noqa: BLE001 - a request's own hook fails that request alone
             self._fail(request, _as_failure(error))
             return False

@@ -18,7 +18,7 @@ import rksc_engine
 ROOT = Path(__file__).resolve().parents[2]
 
 EXPORTED = {
-    "ASKSConfig", "ASKSDecision", "CGEEConfig", "Completion", "DefaultModelNotInstalled", "Engine",
+    "ASKSConfig", "ASKSDecision", "CGEEConfig", "CancelToken", "Completion", "DefaultModelNotInstalled", "Engine",
     "EngineConfig", "EngineStats", "ForwardOutOfMemoryError", "LRUPolicy", "LocalEngine", "OmegaPolicy",
     "Prefilled", "PrefixCacheConfig", "PrefixMatch", "RKSCEngine", "RSBCMConfig", "RadixPrefixCache",
     "RemoteEngine", "RemoteServerError", "RequestCancelled", "RequestHandle", "SamplingParams",

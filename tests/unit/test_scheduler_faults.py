@@ -119,6 +119,53 @@ def test_a_base_exception_from_a_requests_hook_fails_that_request_only():
     assert no_locked_nodes(engine)
 
 
+def test_a_keyboard_interrupt_a_hook_raises_on_the_loop_thread_fails_that_request_only():
+    # No signal reaches the scheduler's own thread: a KeyboardInterrupt there is the hook's own raise.
+    engine = engine_for()
+    want = tokens(engine.generate_branches("bystander", 2, SAMPLED))
+    calls = {"n": 0}
+
+    def interrupt(_ids, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return logits
+
+    with engine.exclusive():  # both queued before the loop's first step: they decode in the same steps
+        bad = engine.submit("faulty", 1, SamplingParams(max_new_tokens=20), logits_processor=interrupt)
+        good = engine.submit("bystander", 2, SAMPLED)
+    with pytest.raises(RuntimeError) as failure:
+        bad.result(timeout=120)
+    assert isinstance(failure.value.__cause__, KeyboardInterrupt)
+    assert tokens(good.result(timeout=120)) == want, "the hook's KeyboardInterrupt failed another request"
+    assert no_locked_nodes(engine)
+
+
+def test_ctrl_c_on_the_main_thread_inside_a_hook_stops_the_step_and_fails_its_requests():
+    # The main thread drives the steps inside exclusive(): Ctrl-C arrives wherever it is, a hook too.
+    assert threading.current_thread() is threading.main_thread()
+    engine = engine_for()
+    want = engine.generate("exact after", GREEDY).token_ids
+    engine.clear_cache()
+
+    def ctrl_c(_ids, logits):
+        raise KeyboardInterrupt
+
+    with engine.exclusive():
+        hooked = engine.submit("hooked", 1, SamplingParams(max_new_tokens=20), logits_processor=ctrl_c)
+        bystander = engine.submit("bystander", 2, SAMPLED)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(50):
+                engine.scheduler.step()
+    for handle in (hooked, bystander):
+        assert handle.done(), "a request of the interrupted step was left waiting"
+        with pytest.raises(RuntimeError) as failure:
+            handle.result(timeout=30)
+        assert isinstance(failure.value.__cause__, KeyboardInterrupt)
+    assert engine.generate("exact after", GREEDY).token_ids == want
+    assert no_locked_nodes(engine)
+
+
 def test_a_base_exception_in_the_forward_fails_the_step_s_requests_and_the_loop_serves_the_next():
     engine = engine_for()
     want = engine.generate("next call", GREEDY).token_ids
