@@ -428,7 +428,9 @@ class RKSCEngine:
         ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``; default
         ``self.config.cgee``), ``early_stop`` (``"decided"``, the exact default: running branches are
         cancelled once they cannot change the vote's winner; ``"answered"``, ``"adaptive"``,
-        ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end).
+        ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end), ``vote``
+        (``"exact"``, the default; ``"cluster"`` to group equivalent free-text answers before counting,
+        e.g. with ``answer_extractor=rksc_engine.reasoning.answer_key``; or a ``VoteConfig``).
 
         Returns:
             A ``ReasoningResult`` with the answer, votes, branches, ``VerificationReport`` and

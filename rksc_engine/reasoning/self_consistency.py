@@ -9,6 +9,11 @@ answer can differ from the full run's; with verification skipped or no judge it 
 ``"confidence"``) trade a measured rate of changed answers for fewer decoded tokens
 (``rksc_engine.reasoning.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
 
+Vote (``vote=``, ``rksc_engine.reasoning.answers``): ``"exact"`` (the default) counts each extracted
+answer as it is, so GSM8K numbers and choice letters vote as they always did; ``"cluster"`` groups
+equivalent free-text answers first and each cluster votes with its representative's key. Under a
+clustered vote the ``decided`` rule does not run (``early_stop.for_clustered_vote``).
+
 Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
 multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
 When it is skipped, the vote winner is the answer.
@@ -21,14 +26,14 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CGEEConfig, SamplingParams
 from ..protocol import LocalEngine
-from .answers import extract_gsm8k_answer, majority_vote
+from .answers import VoteConfig, VoteResult, extract_gsm8k_answer, majority_vote, resolve_vote, vote_answers
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
-from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
+from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, for_clustered_vote, resolve_early_stop
 from .few_shot import Problem, check_problems, few_shot_messages
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
@@ -130,7 +135,11 @@ class VerificationReport:
 
 @dataclass
 class ReasoningResult:
-    """The chosen answer, the vote, every branch, and the verification report."""
+    """The chosen answer, the vote, every branch, and the verification report.
+
+    ``branches[i].answer`` is what branch ``i`` answered; ``vote.answers[i]`` is what it voted for
+    (the same for an exact vote, its cluster's answer for a clustered one), and ``votes`` counts those.
+    """
 
     answer: str | None
     votes: Counter
@@ -140,6 +149,7 @@ class ReasoningResult:
     generate_s: float = 0.0
     completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
     early_stop: EarlyStopReport | None = None  # what early stopping did; None when it was off
+    vote: VoteResult | None = None  # which vote ran, its clusters and their sizes
 
     @property
     def num_truncated(self) -> int:
@@ -199,16 +209,20 @@ def reason(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningResult:
     """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
 
     ``cgee=None`` uses the engine's ``EngineConfig.cgee``. ``early_stop``: ``"decided"`` (default,
     exact), ``"answered"``, ``"adaptive"``, ``"confidence"``, an ``EarlyStopConfig``, or None to run
-    every branch to its end. Every argument is checked before anything is generated: a bad one
-    raises ``TypeError``/``ValueError`` naming it, with the engine untouched.
+    every branch to its end. ``vote``: ``"exact"`` (default), ``"cluster"`` (for free-text answers,
+    e.g. with ``answer_extractor=answer_key``) or a ``VoteConfig``. Every argument is checked before
+    anything is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine
+    untouched.
     """
     plan = plan_reasoning(engine, question, n=n, params=params, few_shot=few_shot, prompt=prompt,
-                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop)
+                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop,
+                          vote=vote)
     start = time.perf_counter()
     handle, monitor = launch_branches(engine, plan)
     completions = handle.result() if monitor is not None else handle
@@ -272,6 +286,7 @@ class ReasoningPlan:
     judge: Verifier
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
+    vote: VoteConfig = field(default_factory=VoteConfig)
 
 
 def default_cgee(engine: LocalEngine) -> CGEEConfig:
@@ -291,6 +306,7 @@ def plan_reasoning(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningPlan:
     """Check every argument of ``reason`` (nothing runs): ``TypeError``/``ValueError`` naming the bad one."""
     if not isinstance(question, str):
@@ -313,8 +329,11 @@ def plan_reasoning(
     judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     stop = resolve_early_stop(early_stop)
+    voting = resolve_vote(vote)
+    if voting.method == "cluster":
+        stop = for_clustered_vote(stop)
 
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, voting)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
@@ -322,10 +341,21 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
     """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``;
     with ``monitor``, only the branches its rules left in the vote are voted."""
     branches = branch_answers(completions, plan.extract, monitor)
-    answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
-    _, votes = majority_vote([b.answer for b in branches])
+    result, voted = vote_branches(branches, plan.vote, question=plan.question)
+    answer, report, summary = verify_and_pick(plan.question, voted, plan.judge, plan.cgee)
+    _, votes = majority_vote(result.answers)
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),
-                           monitor.report() if monitor is not None else None)
+                           monitor.report() if monitor is not None else None, result)
+
+
+def vote_branches(branches: Sequence[BranchAnswer], config: VoteConfig, *,
+                  question: str | None = None) -> tuple[VoteResult, list[BranchAnswer]]:
+    """Vote ``branches`` as ``config`` says: the ``VoteResult``, and the branches as they voted (each
+    one's ``answer`` replaced by its cluster's), ready for ``verify_and_pick``. ``question``: its
+    words do not count as agreement between clustered answers."""
+    result = vote_answers([b.answer for b in branches], [b.confidence for b in branches], config, question=question)
+    voted = [b if b.answer == answer else replace(b, answer=answer) for b, answer in zip(branches, result.answers)]
+    return result, voted
 
 
 def verify_and_pick(
