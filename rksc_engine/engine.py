@@ -459,7 +459,9 @@ class RKSCEngine:
         cancelled once they cannot change the vote's winner; ``"answered"``, ``"adaptive"``,
         ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end), ``cancel`` (a
         ``CancelToken``: cancelling it stops the call with ``RequestCancelled``, its branches at once,
-        or before the verifier pass).
+        or before the verifier pass), ``vote`` (``"exact"``, the default; ``"cluster"`` to group
+        equivalent free-text answers before counting, e.g. with
+        ``answer_extractor=rksc_engine.reasoning.answer_key``; or a ``VoteConfig``).
 
         Returns:
             A ``ReasoningResult`` with the answer, votes, branches, ``VerificationReport`` and

@@ -9,6 +9,11 @@ answer can differ from the full run's; with verification skipped or no judge it 
 ``"confidence"``) trade a measured rate of changed answers for fewer decoded tokens
 (``rksc_engine.reasoning.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
 
+Vote (``vote=``, ``rksc_engine.reasoning.answers``): ``"exact"`` (the default) counts each extracted
+answer as it is, so GSM8K numbers and choice letters vote as they always did; ``"cluster"`` groups
+equivalent free-text answers first and each cluster votes with its representative's key. Under a
+clustered vote the ``decided`` rule does not run (``early_stop.for_clustered_vote``).
+
 Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
 multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
 When it is skipped, the vote winner is the answer.
@@ -34,9 +39,9 @@ from ..config import CGEEConfig, SamplingParams
 from ..protocol import LocalEngine
 from ..runtime.cancel import CancelToken, check_cancel_token
 from ..runtime.handle import RequestCancelled
-from .answers import extract_gsm8k_answer, majority_vote
+from .answers import VoteConfig, VoteResult, extract_gsm8k_answer, majority_vote, resolve_vote, vote_answers
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
-from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
+from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, for_clustered_vote, resolve_early_stop
 from .few_shot import Problem, check_problems, few_shot_messages
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
@@ -138,7 +143,11 @@ class VerificationReport:
 
 @dataclass
 class ReasoningResult:
-    """The chosen answer, the vote, every branch, and the verification report."""
+    """The chosen answer, the vote, every branch, and the verification report.
+
+    ``branches[i].answer`` is what branch ``i`` answered; ``vote.answers[i]`` is what it voted for
+    (the same for an exact vote, its cluster's answer for a clustered one), and ``votes`` counts those.
+    """
 
     answer: str | None
     votes: Counter
@@ -148,6 +157,7 @@ class ReasoningResult:
     generate_s: float = 0.0
     completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
     early_stop: EarlyStopReport | None = None  # what early stopping did; None when it was off
+    vote: VoteResult | None = None  # which vote ran, its clusters and their sizes
 
     @property
     def num_truncated(self) -> int:
@@ -208,19 +218,22 @@ def reason(
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
     cancel: CancelToken | None = None,
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningResult:
     """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
 
     ``cgee=None`` uses the engine's ``EngineConfig.cgee``. ``early_stop``: ``"decided"`` (default,
     exact), ``"answered"``, ``"adaptive"``, ``"confidence"``, an ``EarlyStopConfig``, or None to run
     every branch to its end. ``cancel``: a ``CancelToken`` that stops the call (its branches at
-    once, or before the verifier pass) with ``RequestCancelled``. Every argument is checked before
+    once, or before the verifier pass) with ``RequestCancelled``. ``vote``: ``"exact"`` (default),
+    ``"cluster"`` (for free-text answers, e.g. with ``answer_extractor=answer_key``) or a
+    ``VoteConfig``. Every argument is checked before
     anything is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine
     untouched.
     """
     plan = plan_reasoning(engine, question, n=n, params=params, few_shot=few_shot, prompt=prompt,
                           answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop,
-                          cancel=cancel)
+                          cancel=cancel, vote=vote)
     start = time.perf_counter()
     handle, monitor = launch_branches(engine, plan)
     completions = wait_for_branches(plan, handle)
@@ -312,6 +325,7 @@ class ReasoningPlan:
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
     cancel: CancelToken | None = None
+    vote: VoteConfig = field(default_factory=VoteConfig)
 
 
 def default_cgee(engine: LocalEngine) -> CGEEConfig:
@@ -332,6 +346,7 @@ def plan_reasoning(
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
     cancel: CancelToken | None = None,
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningPlan:
     """Check every argument of ``reason`` (nothing runs): ``TypeError``/``ValueError`` naming the bad one."""
     if not isinstance(question, str):
@@ -355,8 +370,11 @@ def plan_reasoning(
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     stop = resolve_early_stop(early_stop)
     cancel = check_cancel_token(cancel)
+    voting = resolve_vote(vote)
+    if voting.method == "cluster":
+        stop = for_clustered_vote(stop)
 
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel, voting)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
@@ -365,11 +383,22 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
     with ``monitor``, only the branches its rules left in the vote are voted. ``RequestCancelled``
     before the verifier pass when ``plan.cancel`` is cancelled."""
     branches = branch_answers(completions, plan.extract, monitor)
+    result, voted = vote_branches(branches, plan.vote, question=plan.question)
     _check_cancel(plan, "reasoning, before its verifier pass")
-    answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
-    _, votes = majority_vote([b.answer for b in branches])
+    answer, report, summary = verify_and_pick(plan.question, voted, plan.judge, plan.cgee)
+    _, votes = majority_vote(result.answers)
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),
-                           monitor.report() if monitor is not None else None)
+                           monitor.report() if monitor is not None else None, result)
+
+
+def vote_branches(branches: Sequence[BranchAnswer], config: VoteConfig, *,
+                  question: str | None = None) -> tuple[VoteResult, list[BranchAnswer]]:
+    """Vote ``branches`` as ``config`` says: the ``VoteResult``, and the branches as they voted (each
+    one's ``answer`` replaced by its cluster's), ready for ``verify_and_pick``. ``question``: its
+    words do not count as agreement between clustered answers."""
+    result = vote_answers([b.answer for b in branches], [b.confidence for b in branches], config, question=question)
+    voted = [b if b.answer == answer else replace(b, answer=answer) for b, answer in zip(branches, result.answers)]
+    return result, voted
 
 
 def verify_and_pick(

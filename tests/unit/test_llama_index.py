@@ -386,7 +386,7 @@ def test_an_undecided_vote_is_verified_and_the_verifier_can_overturn_the_majorit
         return [1.0 if c == underdog else 0.0 for c in candidates]
 
     llm = RKSCLLM(engine=tiny_engine, max_new_tokens=12, branches=4, seed=0, verifier=verifier,
-                  cgee=CGEEConfig(skip_enabled=False))
+                  cgee=CGEEConfig(skip_enabled=False), answer_key=normalise_answer, vote="exact")
     response = llm.complete("pick")
     decision = response.additional_kwargs["rksc_branches"]
     assert decision["verified"] and decision["answer"] == underdog and normalise_answer(response.text) == underdog
@@ -549,8 +549,9 @@ def first_char_parity(text: str) -> str | None:
 
 def parity_llm(engine, seed: int) -> RKSCLLM:
     # Stop strings end the branches at different lengths, so some still run when the vote is decided.
+    # An exact vote: the clustered default runs no ``decided`` rule.
     return RKSCLLM(engine=engine, max_new_tokens=24, branches=8, temperature=0.5, seed=seed, stop=["a", "o"],
-                   answer_key=first_char_parity, verifier=None, cgee=CGEEConfig.off())
+                   answer_key=first_char_parity, vote="exact", verifier=None, cgee=CGEEConfig.off())
 
 
 def decided_early(engine) -> tuple[int, dict]:
