@@ -139,10 +139,20 @@ def test_numeric_answers_vote_exactly_as_before_in_both_votes():
     assert [c.answer for c in clustered.clusters] == [c.answer for c in exact.clusters]
 
 
+class _Done:
+    """A request handle whose completions are already there."""
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    def result(self):
+        return self.completions
+
+
 def test_reason_votes_gsm8k_answers_exactly_as_before_by_default(monkeypatch):
     engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer())
     scripted = [completion(t, -0.1 * (i + 1), i) for i, t in enumerate(GSM8K_TEXTS)]
-    monkeypatch.setattr(engine, "generate_branches", lambda prompt, n, params: scripted[:n])
+    monkeypatch.setattr(engine, "submit", lambda prompt, n, params: _Done(scripted[:n]))
     result = engine.reason("How much?", n=len(GSM8K_TEXTS), prompt="Q:", early_stop=None,
                            verifier=lambda q, c: [0.5] * len(c), cgee=CGEEConfig.off())
     answers = [extract_gsm8k_answer(t) for t in GSM8K_TEXTS]
