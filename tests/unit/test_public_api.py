@@ -1,4 +1,4 @@
-"""The names rksc_engine exports, and the import paths the README and cookbook document, stay put.
+"""The names rksc_engine exports, and the import paths the README, docs/ and cookbook document, stay put.
 
 A user's ``from rksc_engine import X`` or ``from rksc_engine.datasets import ...`` breaking on an upgrade
 is a regression even when every test of the moved code passes; these tests fail on it.
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import rksc_engine
+from tests.markdown_docs import documentation_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,21 +64,23 @@ def test_an_old_path_and_its_new_home_give_the_same_object():
 
 
 def documented_imports() -> list[tuple[str, str, list[str]]]:
-    """Every ``from rksc_engine... import ...`` line of the README and the cookbook's code cells."""
-    texts = [("README.md", (ROOT / "README.md").read_text())]
+    """Every ``from rksc_engine... import ...`` (or ``rksc_integrations``) line of the README, the pages
+    under docs/ and the cookbook's code cells, in code blocks of every kind."""
+    texts = [(page.relative_to(ROOT).as_posix(), page.read_text(encoding="utf-8")) for page in documentation_files()]
     for notebook in sorted((ROOT / "cookbook").glob("*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
         texts.append((notebook.name, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")))
     found = []
     for where, text in texts:
-        for module, names in re.findall(r"^\s*from (rksc_engine[\w.]*) import ([\w, ]+)$", text, re.M):
+        for module, names in re.findall(r"^\s*from ((?:rksc_engine|rksc_integrations)[\w.]*) import ([\w, ]+)$", text, re.M):
             found.append((where, module, [n.strip().split(" as ")[0] for n in names.split(",") if n.strip()]))
     return found
 
 
-def test_every_import_the_readme_and_cookbook_show_resolves():
+def test_every_import_the_readme_docs_and_cookbook_show_resolves():
     found = documented_imports()
-    assert found, "the README and cookbook show no rksc_engine import: the pattern above went stale"
+    pages = {where for where, _, _ in found}
+    assert {"README.md", "docs/python_api.md"} <= pages, f"imports found only in {sorted(pages)}: the pattern went stale"
     broken = []
     for where, module, names in found:
         loaded = importlib.import_module(module)

@@ -1,41 +1,29 @@
-"""Every ```python block of README.md runs as written, on the real default model.
+"""Every ```python block of README.md and of the pages under docs/ runs as written, on the real default model.
 
 Each block executes in a fresh namespace, as a user pasting it into a new interpreter would. The
 weights are loaded once: ``RKSCEngine.from_pretrained`` is patched to build each requested engine
 (with the block's own ``EngineConfig``) around one loaded model and tokenizer, so a block that
-configures ASKS or an RSBCM budget still gets exactly that engine.
+configures ASKS or an RSBCM budget still gets exactly that engine. A block the tests cannot run (it
+needs a running server) is tagged ```text instead, and is not collected here.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
 from rksc_engine import RKSCEngine
+from tests.markdown_docs import ROOT, documentation_files, python_snippets
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+README = ROOT / "README.md"
+SNIPPETS = [snippet for page in documentation_files() for snippet in python_snippets(page)]
 
 
-def readme_snippets() -> list[tuple[str, str]]:
-    """``(section heading, code)`` of every python block, in order."""
-    text = README.read_text(encoding="utf-8")
-    snippets = []
-    for match in _BLOCK.finditer(text):
-        headings = re.findall(r"^## (.+)$", text[: match.start()], re.MULTILINE)
-        snippets.append((headings[-1] if headings else "top", match.group(1)))
-    return snippets
-
-
-SNIPPETS = readme_snippets()
-
-
-def test_the_readme_has_python_snippets_and_keeps_its_opening_commands():
-    assert len(SNIPPETS) >= 6, f"found {len(SNIPPETS)} python blocks in README.md"
+def test_the_docs_have_python_snippets_and_the_readme_keeps_its_opening_commands():
+    pages = {snippet.path.relative_to(ROOT).as_posix() for snippet in SNIPPETS}
+    assert len(SNIPPETS) >= 10, f"found {len(SNIPPETS)} python blocks in {sorted(pages)}"
+    assert "README.md" in pages, "the README shows no runnable python block"
     opening = README.read_text(encoding="utf-8").split("```")[1]
     assert opening.startswith("bash\n./dev ask ") and "./dev test" in opening, "the first two commands changed"
 
@@ -54,7 +42,7 @@ def one_load(monkeypatch, loaded_weights):
     model, tokenizer = loaded_weights
 
     def from_pretrained(model_path=None, *, device="auto", dtype="auto", config=None, progress=True):
-        assert model_path is None, "README snippets use the embedded default model"
+        assert model_path is None, "documentation snippets use the embedded default model"
         return RKSCEngine(model, tokenizer, config)
 
     monkeypatch.setattr(RKSCEngine, "from_pretrained", staticmethod(from_pretrained))
@@ -67,7 +55,10 @@ def one_load(monkeypatch, loaded_weights):
     monkeypatch.setattr(Settings, "_embed_model", Settings._embed_model)
 
 
-@pytest.mark.parametrize("heading,code", SNIPPETS, ids=[f"{i}-{h}" for i, (h, _) in enumerate(SNIPPETS)])
-def test_a_readme_snippet_runs_as_written(one_load, heading, code):
-    namespace: dict = {"__name__": "__readme__"}
-    exec(compile(code, f"README.md ({heading})", "exec"), namespace)
+@pytest.mark.parametrize(
+    "snippet", SNIPPETS, ids=[f"{s.path.relative_to(ROOT).as_posix()}:{s.line}-{s.heading}" for s in SNIPPETS]
+)
+def test_a_documentation_snippet_runs_as_written(one_load, snippet):
+    namespace: dict = {"__name__": "__doc_snippet__"}
+    where = f"{snippet.path.relative_to(ROOT).as_posix()}:{snippet.line} ({snippet.heading})"
+    exec(compile("\n" * snippet.line + snippet.code, where, "exec"), namespace)
