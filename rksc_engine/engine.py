@@ -42,7 +42,8 @@ from .runtime.cpu_threads import release_openmp_workers
 from .runtime.handle import BranchMonitor, LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .runtime.loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .runtime.model_runner import ModelRunner
-from .runtime.prefill import CachedPrefix, Prefilled, Prefiller
+from .runtime.prefill import Prefiller
+from .runtime.prefix_access import CachedPrefix, Prefilled
 from .runtime.prompts import ChatMessage, Prompt, PromptEncoder
 from .runtime.sampling import decode_bytes_per_row
 from .runtime.scheduler import Scheduler
@@ -301,13 +302,13 @@ class RKSCEngine:
             if monitor is None:
                 raise ValueError("max_branches > n needs a monitor, which is what adds branches")
         return self.scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor,
-                                      segments=self._prompts.segments(prompt, prompt_ids), monitor=monitor,
+                                      context_spans=self._prompts.context_spans(prompt, prompt_ids), monitor=monitor,
                                       max_branches=max_branches)
 
     def prompt_segments(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
         """Token spans tiling ``prompt_ids`` cut at ``config.asks.chunk_separator``, for retrieved-context
-        reuse; None when it is off or the prompt has no text to cut (``PromptEncoder.segments``)."""
-        return self._prompts.segments(prompt, prompt_ids)
+        reuse; None when it is off or the prompt has no text to cut (``PromptEncoder.context_spans``)."""
+        return self._prompts.context_spans(prompt, prompt_ids)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""

@@ -226,6 +226,35 @@ def serving(app, timeout_s: float = 10.0):
         sock.close()
 
 
+def no_locked_nodes(engine) -> bool:
+    """Whether no node of ``engine``'s radix cache is locked (every request that read one let go)."""
+    stack = [engine.prefix_cache.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node is not engine.prefix_cache.root and node.lock_ref:
+            return False
+    return True
+
+
+def run_out_of_memory_in_a_decode(engine, monkeypatch, nth: int) -> None:
+    """Make the ``nth`` decode forward that runs while two or more requests run fail, once, with
+    ``ForwardOutOfMemoryError`` (out of memory after every retry)."""
+    from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
+
+    real_forward = engine.runner.forward
+    decodes = {"n": 0}
+
+    def forward(input_ids, cache, **kwargs):
+        if input_ids.shape[1] == 1 and "logits_to_keep" not in kwargs and engine.stats().running_requests >= 2:
+            decodes["n"] += 1
+            if decodes["n"] == nth:
+                raise ForwardOutOfMemoryError(f"injected: out of memory in decode {nth}")
+        return real_forward(input_ids, cache, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+
+
 def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     """Poll ``condition()`` until it is true (returns True) or ``timeout_s`` passes (returns False)."""
     import time

@@ -20,7 +20,8 @@ from ..kvcache.batch_decode import BatchDecodeCache
 from ..kvcache.probe import logit_tolerance
 from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
 from .model_runner import ModelRunner
-from .prefill import Prefilled, Prefiller
+from .prefill import Prefiller
+from .prefix_access import Prefilled
 from .request import Request
 
 
@@ -90,11 +91,11 @@ def forward_rows_and_prompts(runner: ModelRunner, prefiller: Prefiller, requests
         if check:
             row_logits = _checked_rows(runner, requests, lengths, row_logits)
             first = Prefilled(list(prompts[0]), None, prompt_logits[:1], cached[0])
-            diff, tolerance = prefiller.difference_from_alone(first)
+            diff, tolerance = prefiller.packing.difference_from_alone(first)
             if not diff <= tolerance:
                 raise MixedPrefillMismatch(f"a prompt prefilled in the decode step's forward changed its logits by "
                                            f"{diff:.3g} (> {tolerance:.3g})")
-        prefilled = prefiller.finish_prompts(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))],
+        prefilled = prefiller.packing.finish_prompts(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))],
                                              prompt_logits)
     except BaseException:
         roll_back(requests, lengths)

@@ -24,7 +24,7 @@ from ..kvcache.cache_layers import (
     prefix_cache_refusal,
     unsupported_layer_types,
 )
-from ..kvcache.memory import run_with_oom_retry
+from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory, run_with_oom_retry
 from ..kvcache.probe import ProbeResult, probe
 from ..kvcache.radix import RadixPrefixCache
 from . import weight_left_linear
@@ -33,6 +33,12 @@ from .stats import Counters
 logger = logging.getLogger(__name__)
 # Inconclusive shared-prefix probes (exceptions) tolerated before the fast path is given up.
 MAX_PROBE_ATTEMPTS = 3
+
+
+def ran_out_of_memory(error: BaseException) -> bool:
+    """Whether a pass failed for want of memory: on every try (``ForwardOutOfMemoryError``), or in an
+    allocation that was not retried (``is_out_of_memory``)."""
+    return isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)
 
 
 class ModelRunner:

@@ -120,7 +120,7 @@ class PromptEncoder:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **template_kwargs)
 
-    def segments(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
+    def context_spans(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
         """Token spans tiling ``prompt_ids`` cut at ``asks.chunk_separator``, for retrieved-context
         reuse; None when it is off, the prompt is token ids (no text to cut), or the tokenizer gives
         no character offsets. The spans come from the same tokenisation as ``prompt_ids``, which is

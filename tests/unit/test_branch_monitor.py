@@ -6,7 +6,7 @@ token-identical whether it ran in the first wave or a later one, on either decod
 import threading
 
 import pytest
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import make_char_tokenizer, make_tiny_model, run_out_of_memory_in_a_decode
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.results import BranchControl
@@ -174,23 +174,11 @@ class Counting:
 
 
 def test_out_of_memory_never_preempts_a_request_whose_monitor_has_seen_its_tokens(monkeypatch):
-    from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
-
     engine = engine_for()
     params = SamplingParams(temperature=0.9, max_new_tokens=16, seed=2)
     want = [c.token_ids for c in engine.generate_branches("watched", 2, params)]
     engine.clear_cache()
-    real_forward = engine.runner.forward
-    decodes = {"n": 0}
-
-    def oom_once(input_ids, cache, **kwargs):
-        if input_ids.shape[1] == 1 and "logits_to_keep" not in kwargs and engine.stats().running_requests >= 2:
-            decodes["n"] += 1
-            if decodes["n"] == 2:
-                raise ForwardOutOfMemoryError("injected")
-        return real_forward(input_ids, cache, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward", oom_once)
+    run_out_of_memory_in_a_decode(engine, monkeypatch, 2)
     plain = engine.submit("plain", 1, SamplingParams(max_new_tokens=16))
     monitor = Counting()
     watched = engine.submit("watched", 2, params, monitor=monitor)  # the newest: still not the victim

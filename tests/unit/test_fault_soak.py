@@ -28,6 +28,7 @@ from rksc_engine.config import SchedulerConfig
 from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
 from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor
 from rksc_engine.runtime.handle import RequestCancelled
+from rksc_engine.runtime.request import RequestStatus
 
 NUM_REQUESTS = 1000
 BUDGET_MB = 0.25
@@ -155,6 +156,7 @@ def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_c
     jobs = make_jobs()
     engine = make_engine()
     scheduler = engine.scheduler
+    requests = scheduler.requests
     rng = random.Random(1)
     injected = {"with_others": 0, "alone": 0, "may_fail": 0}
     peak = {"bytes": 0}
@@ -167,12 +169,13 @@ def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_c
             # request that can start over (a decode; one whose monitor has seen tokens cannot).
             prefill = input_ids.shape[1] > 1 or "logits_to_keep" in kwargs
             if prefill:
-                room = len(scheduler._running) + len(scheduler._prefilling) >= 1
+                # (a prompt in the middle of its passes is PREFILLING itself: not one to wait for)
+                room = len(requests.decoding()) + max(0, requests.count(RequestStatus.PREFILLING) - 1) >= 1
             else:
-                room = len(scheduler._running) >= 2 and any(r.preemptible for r in scheduler._running)
+                room = len(requests.decoding()) >= 2 and any(r.preemptible for r in requests.decoding())
             injected["with_others" if room else "alone"] += 1
             if not room:  # the requests this forward serves may fail: one prefill, or the whole batch
-                injected["may_fail"] += 1 if prefill else len(scheduler._running)
+                injected["may_fail"] += 1 if prefill else len(requests.decoding())
             raise ForwardOutOfMemoryError("injected out-of-memory error")
         return real_forward(input_ids, cache, **kwargs)
 
@@ -211,7 +214,7 @@ def test_a_fault_soak_has_no_collateral_failure_and_keeps_every_answer_and_the_c
     stats = engine.stats()
     assert stats.running_requests == 0 and stats.waiting_requests == 0 and stats.running_kv_bytes == 0
     # The last step may still be tidying its lists after it delivered the last result.
-    assert wait_until(lambda: not (scheduler._running or scheduler._prefilling or scheduler._waiting), timeout_s=60)
+    assert wait_until(lambda: not scheduler.requests, timeout_s=60)
     assert wait_until(lambda: scheduler._thread is None, timeout_s=60), "the scheduler thread did not exit"
     assert wait_until(lambda: threading.active_count() <= baseline_threads, timeout_s=60), "threads leaked"
 

@@ -88,7 +88,7 @@ def test_an_arrival_reuses_its_cached_prefix_and_is_cached_for_the_next_call():
 
 def test_a_failed_first_check_turns_mixing_off_and_every_request_keeps_its_tokens(monkeypatch):
     engine = engine_for(0)
-    monkeypatch.setattr(engine.scheduler.prefiller, "difference_from_alone", lambda prefilled: (1.0, 1e-6))
+    monkeypatch.setattr(engine.scheduler.prefiller.packing, "difference_from_alone", lambda prefilled: (1.0, 1e-6))
     got = run_staggered(engine)
     assert extra(engine, "mixed_prefill_disabled") == 1
     assert extra(engine, "mixed_prefill_fallbacks") == 1
@@ -98,8 +98,8 @@ def test_a_failed_first_check_turns_mixing_off_and_every_request_keeps_its_token
 
 def test_a_failure_after_the_mixed_forward_rolls_the_rows_back_before_they_decode_again(monkeypatch):
     engine = engine_for(0)
-    prefiller = engine.scheduler.prefiller
-    real_finish = prefiller.finish_prompts
+    packing = engine.scheduler.prefiller.packing
+    real_finish = packing.finish_prompts
     failures = []
 
     def finish_then_fail(*args, **kwargs):
@@ -109,7 +109,7 @@ def test_a_failure_after_the_mixed_forward_rolls_the_rows_back_before_they_decod
             raise RuntimeError("injected after the mixed forward")
         raise AssertionError("mixing was not turned off after a failure")
 
-    monkeypatch.setattr(prefiller, "finish_prompts", finish_then_fail)
+    monkeypatch.setattr(packing, "finish_prompts", finish_then_fail)
     got = run_staggered(engine)
     assert extra(engine, "mixed_prefill_disabled") == 1
     # Without the roll-back the rows would decode their next token at a position already written.
@@ -118,8 +118,8 @@ def test_a_failure_after_the_mixed_forward_rolls_the_rows_back_before_they_decod
 
 def test_running_out_of_memory_in_the_mixed_forward_falls_back_once_and_keeps_mixing(monkeypatch):
     engine = engine_for(0)
-    prefiller = engine.scheduler.prefiller
-    real_finish = prefiller.finish_prompts
+    packing = engine.scheduler.prefiller.packing
+    real_finish = packing.finish_prompts
     calls = []
 
     def out_of_memory_once(*args, **kwargs):
@@ -128,7 +128,7 @@ def test_running_out_of_memory_in_the_mixed_forward_falls_back_once_and_keeps_mi
             raise torch.OutOfMemoryError("injected")
         return real_finish(*args, **kwargs)
 
-    monkeypatch.setattr(prefiller, "finish_prompts", out_of_memory_once)
+    monkeypatch.setattr(packing, "finish_prompts", out_of_memory_once)
     got = run_staggered(engine)
     assert extra(engine, "mixed_prefill_fallbacks") == 1
     assert extra(engine, "mixed_prefill_disabled") == 0
@@ -137,7 +137,7 @@ def test_running_out_of_memory_in_the_mixed_forward_falls_back_once_and_keeps_mi
 
 
 def test_an_interrupt_in_the_mixed_forward_fails_the_step_and_the_engine_goes_on(monkeypatch):
-    import rksc_engine.runtime.scheduler as scheduler_module
+    import rksc_engine.runtime.admission as admission_module
 
     engine = engine_for(0)
 
@@ -148,7 +148,7 @@ def test_an_interrupt_in_the_mixed_forward_fails_the_step_and_the_engine_goes_on
         running = engine.submit(PROMPTS[0], 2, SAMPLED)
         engine.scheduler.step()
         arrival = engine.submit(PROMPTS[1], 1, GREEDY)
-        monkeypatch.setattr(scheduler_module, "forward_rows_and_prompts", interrupted)
+        monkeypatch.setattr(admission_module, "forward_rows_and_prompts", interrupted)
         with pytest.raises(KeyboardInterrupt):
             engine.scheduler.step()
     monkeypatch.undo()

@@ -90,7 +90,7 @@ def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_l
     def broken(*args, **kwargs):
         raise RuntimeError("packed forward failed")
 
-    monkeypatch.setattr(engine.scheduler.prefiller, "_packed_pass", broken)
+    monkeypatch.setattr(engine.scheduler.prefiller.packing, "packed_pass", broken)
     got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
     assert [tokens[0] for tokens in got] == want
     stats = engine.stats()
@@ -100,7 +100,7 @@ def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_l
     engine.clear_cache()
     assert engine.stats().cache_tokens == 0, "a node stayed locked after the failed packed forward"
     # A model that cannot take a packed pass is not asked again.
-    assert engine.scheduler.prefiller.packs_prompts() is False
+    assert engine.scheduler.prefiller.packing.packs_prompts() is False
     assert stats.extra.get("packed_prefill_disabled") == 1
     run_together(engine, [(p, 1, SamplingParams(max_new_tokens=2)) for p in PROMPTS])
     assert engine.stats().extra.get("packed_prefill_fallbacks") == 1
@@ -109,8 +109,8 @@ def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_l
 def test_a_packed_forward_whose_logits_disagree_with_a_prompt_alone_turns_packing_off(monkeypatch):
     engine = engine_for(1)
     want = [hf_greedy(engine, p, 10) for p in PROMPTS]
-    prefiller = engine.scheduler.prefiller
-    honest = prefiller._packed_pass
+    packing = engine.scheduler.prefiller.packing
+    honest = packing.packed_pass
 
     def ignores_the_mask(prompts, matches):  # stands in for a model that mixes the packed prompts
         results = honest(prompts, matches)
@@ -119,13 +119,13 @@ def test_a_packed_forward_whose_logits_disagree_with_a_prompt_alone_turns_packin
         results[0].last_logits = wrong
         return results
 
-    monkeypatch.setattr(prefiller, "_packed_pass", ignores_the_mask)
+    monkeypatch.setattr(packing, "packed_pass", ignores_the_mask)
     got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
     assert [tokens[0] for tokens in got] == want, "a mismatched packed prefill reached the tokens"
     stats = engine.stats()
     assert stats.extra.get("packed_prefill_disabled") == 1
     assert stats.extra.get("packed_prefill_fallbacks") == 1
-    assert prefiller.packs_prompts() is False
+    assert packing.packs_prompts() is False
 
 
 def test_packed_prefill_must_be_a_bool():
@@ -139,7 +139,7 @@ def test_an_interrupt_in_the_packed_forward_fails_every_admitted_request_and_the
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.scheduler.prefiller, "_packed_pass", interrupted)
+    monkeypatch.setattr(engine.scheduler.prefiller.packing, "packed_pass", interrupted)
     # "Another one" shares an uncached "A" with the prompt before it, so it arrives while the pack of
     # the first four is prefilled: it is in no list at that moment.
     with engine.exclusive():
@@ -156,15 +156,15 @@ def test_an_interrupt_in_the_packed_forward_fails_every_admitted_request_and_the
 
 
 def test_context_groups_count_a_shared_cached_prefix_once_and_cut_at_the_bound():
-    from rksc_engine.runtime.prefill import _context_groups
+    from rksc_engine.runtime.packed_prefill import context_groups
 
     node_a, node_b = object(), object()
     prompts = [[0] * 40, [0] * 40, [0] * 40, [0] * 20, [0] * 35]
     matches = [(None, 30, node_a), (None, 30, node_a), (None, 30, node_a), (None, 0, None), (None, 30, node_b)]
     # 30 shared + 3 x 10 new = 60; the fourth prompt's 20 would make 80.
-    assert _context_groups(prompts, matches, 70) == [[0, 1, 2], [3, 4]]
-    assert _context_groups(prompts, matches, None) == [[0, 1, 2, 3, 4]]
-    assert _context_groups(prompts, matches, 1) == [[0], [1], [2], [3], [4]]
+    assert context_groups(prompts, matches, 70) == [[0, 1, 2], [3, 4]]
+    assert context_groups(prompts, matches, None) == [[0, 1, 2, 3, 4]]
+    assert context_groups(prompts, matches, 1) == [[0], [1], [2], [3], [4]]
 
 
 def test_a_pack_over_the_step_budget_of_context_runs_as_several_forwards_with_the_same_tokens():

@@ -14,6 +14,7 @@ from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
 from rksc_engine.kvcache.suffix_pool import SUFFIX_ALIGNMENT
 from rksc_engine.runtime.handle import RequestCancelled
+from rksc_engine.runtime.request import RequestStatus
 
 PROMPTS = MIXED_LENGTH_PROMPTS
 
@@ -237,7 +238,7 @@ def test_out_of_memory_in_a_shared_decode_step_preempts_the_newest_request_which
         assert tuple(delivered) == want[0][branch]
         assert "".join(c.text for c in chunks if c.branch_index == branch) == finals[branch].completion.text
     assert got == want[1:], "a preempted request did not recompute the same tokens"
-    assert engine.scheduler.num_preemptions >= 2  # the stream, after delivering its first tokens, then more
+    assert engine.stats().extra.get("preemptions", 0) >= 2  # the stream, after delivering its first tokens, then more
     with engine.exclusive():  # after the last step has let go of the engine
         assert engine.stats().running_requests == 0
     engine.prefix_cache.check_consistency()
@@ -343,7 +344,7 @@ def test_cancelling_a_request_mid_prefill_unlocks_its_cached_prefix():
     with engine.exclusive():
         handle = engine.submit(prompt, 1, SamplingParams(max_new_tokens=4))
         engine.scheduler.step()  # admitted: the first chunk ran, the matched prefix is locked
-        assert engine.scheduler._prefilling
+        assert [r.request_id for r in engine.scheduler.requests.of(RequestStatus.PREFILLING)] == [handle.request_id]
         handle.cancel()
         engine.scheduler.step()
     with pytest.raises(RequestCancelled):

@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import pytest
-from conftest import make_char_tokenizer, make_tiny_model
+from conftest import make_char_tokenizer, make_tiny_model, no_locked_nodes, run_out_of_memory_in_a_decode
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
@@ -24,16 +24,6 @@ def engine_for(seed: int = 0, **config) -> RKSCEngine:
 
 def tokens(completions):
     return [c.token_ids for c in completions]
-
-
-def no_locked_nodes(engine) -> bool:
-    stack = [engine.prefix_cache.root]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node is not engine.prefix_cache.root and node.lock_ref:
-            return False
-    return True
 
 
 class Gate:
@@ -348,17 +338,7 @@ def test_out_of_memory_in_decode_preempts_the_newest_request_on_either_decode_pa
     jobs = [("first request", 2, SAMPLED), ("second request", 1, GREEDY)]
     want = [tokens(engine.generate_branches(p, n, params)) for p, n, params in jobs]
     engine.clear_cache()
-    real_forward = engine.runner.forward
-    decodes = {"n": 0}
-
-    def oom_once_in_decode(input_ids, cache, **kwargs):
-        if input_ids.shape[1] == 1 and "logits_to_keep" not in kwargs and engine.stats().running_requests >= 2:
-            decodes["n"] += 1
-            if decodes["n"] == 3:
-                raise ForwardOutOfMemoryError("injected decode OOM")
-        return real_forward(input_ids, cache, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward", oom_once_in_decode)
+    run_out_of_memory_in_a_decode(engine, monkeypatch, 3)
     handles = [engine.submit(p, n, params) for p, n, params in jobs]
     assert [tokens(h.result(timeout=120)) for h in handles] == want
     assert engine.stats().extra.get("preemptions", 0) == 1

@@ -235,7 +235,7 @@ def test_a_prefill_cache_that_cannot_be_shared_decodes_through_the_plain_path(ti
     layers = [(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)) for _ in range(2)]  # batch 2: not a prefill
     cache = DynamicCache(ddp_cache_data=layers, config=tiny_engine.model.config)
     assert not SharedPrefixCache.can_share(cache)
-    decode_cache = tiny_engine.scheduler._decode_cache(cache, 1, 8, shared_prefix=True)
+    decode_cache = tiny_engine.scheduler.kv.decode_cache(cache, 1, 8, shared_prefix=True)
     assert decode_cache is cache
 
 

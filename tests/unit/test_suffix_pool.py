@@ -133,7 +133,7 @@ def test_pooled_requests_decode_the_tokens_of_requests_with_buffers_of_their_own
         engine.clear_cache()
         staggered = [engine.submit(prompt, n, params) for prompt, n, params in work]  # the scheduler runs meanwhile
         got += [[c.token_ids for c in h.result(timeout=120)] for h in staggered]
-        pool = engine.scheduler.suffix_pool
+        pool = engine.scheduler.kv.suffix_pool
         if pool is not None:
             with engine.exclusive():
                 assert pool.num_members == 0 and pool.num_slots == 0, "the pool kept memory after the requests ended"
@@ -173,7 +173,7 @@ def test_out_of_memory_while_the_pool_grows_in_a_step_moves_the_request_to_its_o
     got = [[c.token_ids for c in h.result(timeout=120)] for h in handles]
     assert fired, "test setup: the pool never grew"
     assert got == want
-    assert engine.stats().oom_retries == 0 and engine.scheduler.num_preemptions == 0
+    assert engine.stats().oom_retries == 0 and engine.stats().extra.get("preemptions", 0) == 0
 
 
 def test_out_of_memory_when_leaving_the_pool_too_is_retried_to_the_same_tokens(monkeypatch):
@@ -207,7 +207,7 @@ def test_out_of_memory_when_leaving_the_pool_too_is_retried_to_the_same_tokens(m
     assert fired == ["grow", "leave"], "test setup: the faults did not fire"
     assert got == want
     assert engine.stats().oom_retries == 1, "the step must be retried once, in place, not preempted"
-    assert engine.scheduler.num_preemptions == 0
+    assert engine.stats().extra.get("preemptions", 0) == 0
 
 
 def test_reused_slots_are_cleared_so_an_ended_requests_values_cannot_reach_the_next():
