@@ -164,3 +164,42 @@ def test_the_per_level_table_counts_each_arms_correct_and_skipped_answers():
                         {}, {"cpus": 2, "dtype": "torch.float32"})
     assert gsm8k.by_level("rksc") == {} and "| ladder level |" not in render_markdown(gsm8k)
     assert "| solution steps | CGEE skipped (rksc arm) |" in render_markdown(gsm8k)
+
+
+# -- the ablation table names what each arm ran ---------------------------------------------------
+@pytest.fixture(scope="module")
+def ablation_report():
+    config = BenchConfig(questions=2, branches=2, shots=1, max_new_tokens=4, tree_depth=0,
+                         arms=("no_reuse", "cgee_only", "token_exact", "asks", "rksc"))
+    return run_bench(config, model_and_tokenizer=(make_tiny_model(max_positions=2048), make_char_tokenizer()),
+                     progress=False)
+
+
+def ablation_rows(table: str) -> dict[str, str]:
+    """The ablation table's rows as arm -> label."""
+    start = table.index("| ablation: what ran |")
+    rows = [line.split(" | ") for line in table[start:].split("\n\n")[0].splitlines()[2:]]
+    return {row[1]: row[0].removeprefix("| ") for row in rows}
+
+
+def test_each_ablation_row_is_labelled_by_the_mechanisms_its_arm_ran(ablation_report):
+    asks_reused = sum(r.asks_reused_tokens for r in ablation_report.arm_records("asks"))
+    assert ablation_rows(render_markdown(ablation_report)) == {
+        "no_reuse": "nothing (every prompt computed, every candidate verified)",
+        "cgee_only": "CGEE",
+        "token_exact": "token-exact KV sharing",
+        # The asks arm shares token-exact KV too; the label says what ASKS itself reused.
+        "asks": f"token-exact KV sharing + ASKS (reused {asks_reused:,} prompt tokens)",
+        # The shipped defaults: ASKS is off, early stop "decided" is on.
+        "rksc": "token-exact KV sharing + CGEE + early stop (decided)",
+    }
+    assert "alone" not in render_markdown(ablation_report)
+
+
+def test_the_asks_label_counts_the_tokens_asks_reused_from_the_records(ablation_report):
+    records = [dataclasses_replace(r, asks_reused_tokens=1500 if r.arm == "asks" else 0)
+               for r in ablation_report.records]
+    report = dataclasses_replace(ablation_report, records=records)
+    assert ablation_rows(render_markdown(report))["asks"] == "token-exact KV sharing + ASKS (reused 3,000 prompt tokens)"
+    assert report.summary()["asks"]["asks_reused_tokens"] == 3000
+    assert report.to_json()["setups"]["asks"]["label"] == ablation_rows(render_markdown(report))["asks"]

@@ -197,7 +197,7 @@ def test_a_bad_cgee_setting_names_the_field_and_a_bad_call_leaves_the_engine_and
     from rksc_engine import config as config_module
     from rksc_engine.reasoning import cgee as cgee_module
 
-    assert cgee_module.CGEEConfig is config_module.CGEEConfig, "rksc_engine.cgee must re-export the one CGEEConfig"
+    assert cgee_module.CGEEConfig is config_module.CGEEConfig, "rksc_engine.reasoning.cgee must re-export the one CGEEConfig"
     with pytest.raises(TypeError, match="cgee must be CGEEConfig"):
         EngineConfig(cgee={"tau_conf": 0.9})
     with pytest.raises(ValueError, match=r"cgee.min_layer must be >= 0"):

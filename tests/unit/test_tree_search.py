@@ -73,12 +73,19 @@ def test_every_child_equals_plain_seeded_sampling_of_its_parent_path(tiny_model,
     result = search(engine, depth=3)
     cold = make_engine(tiny_model, tiny_tokenizer, enabled=False)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, stop=("\n",))
+    merged = 0
     for node in result.nodes[1:]:
         parent = result.nodes[node.parent]
-        k = parent.children.index(node.index)
         alone = cold.generate(path_ids(engine, result, parent.index),
-                              SamplingParams(**{**vars(params), "seed": PARAMS.seed + parent.index * 3 + k}))
-        assert tuple(t for t in alone.token_ids if t != 1) == node.token_ids, f"node {node.index} differs"
+                              SamplingParams(**{**vars(params), "seed": PARAMS.seed + parent.index * 3 + node.branch_index}))
+        drawn = tuple(t for t in alone.token_ids if t != 1)
+        if not alone.text.strip() and alone.finish_reason == "stop":
+            # A blank step is no step: the child went on from its blank tokens (test_tree_search_blank_steps).
+            assert node.token_ids[:len(drawn)] == drawn and node.text.strip(), f"node {node.index} differs"
+            merged += 1
+        else:
+            assert drawn == node.token_ids, f"node {node.index} differs"
+    assert merged < len(result.nodes) - 1, "most children should be plain seeded steps"
 
 
 def test_a_seeded_search_is_reproducible_and_the_seed_matters(tiny_model, tiny_tokenizer):
