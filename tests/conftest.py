@@ -179,6 +179,30 @@ def tiny_engine(tiny_model, tiny_tokenizer):
     return RKSCEngine(tiny_model, tiny_tokenizer)
 
 
+def make_tiny_engine(config=None, *, max_positions: int = 4096):
+    """The tiny model and the character tokenizer in an ``RKSCEngine`` (``config``: an ``EngineConfig``
+    or None), its context window long enough for few-shot and chat prompts."""
+    from rksc_engine import RKSCEngine
+
+    return RKSCEngine(make_tiny_model(max_positions=max_positions), make_char_tokenizer(), config)
+
+
+@pytest.fixture
+def engine():
+    """A fresh ``make_tiny_engine()`` per test, its cache and counters empty. ``tests/unit/serve``
+    overrides it with one engine per module, which that module's servers are started on."""
+    return make_tiny_engine()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    """A test on the real default model (``integration``) is in the slow tier too, so ``-m "not slow"``
+    is the fast tier and ``-m slow`` the rest, however else a test is marked."""
+    for item in items:
+        if item.get_closest_marker("integration") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 _ARITHMETIC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
