@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 COOKBOOK_TESTS = "tests/integration/test_cookbook.py"
 # A cheap test run beside it: the run must go on past the cookbook file and pass.
-OTHER_TEST = "tests/unit/test_loading.py::test_cache_dir_follows_the_environment"
+OTHER_TEST = "tests/unit/runtime/test_loading.py::test_cache_dir_follows_the_environment"
 # A child pytest in which importing the named module fails as if it were not installed.
 RUN_WITHOUT = ("import sys; sys.modules[{module!r}] = None; import pytest; "
                "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', {paths}]))")
