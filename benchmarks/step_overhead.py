@@ -1,0 +1,130 @@
+"""Benchmark: the host's cost of a decode step, rksc's decode layouts against ``transformers``' ``generate``.
+
+Per decode step: ATen operator calls (each one a kernel launch on a GPU), Python calls, and wall
+milliseconds; by rows (``--rows``) and layout (one request of N ``siblings``, N ``independent``
+requests, a ``mix`` of both); on tiny configs of several families (``--families``), where a forward
+costs almost nothing so the figures are each framework's own cost, and on the default model
+(``--default-model``). Arms: rksc with ``decode_attention="shared_prefix"`` (the default layout),
+``"static_rows"``, and ``"static_rows"`` compiled (``decode_capture="compile"``, ``--compile``);
+``transformers``' ``generate`` on the same rows left-padded into one batch. Greedy, end-of-text off,
+arms alternating within each cell. Counts are exact; times only mean something with nothing else
+running:
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/step_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from rksc_bench.families import make_family_model
+from rksc_bench.step_overhead import (
+    LAYOUTS,
+    engine_run,
+    generate_run,
+    no_end_of_text,
+    per_step,
+    time_per_step,
+    workload,
+)
+from rksc_engine import RKSCEngine
+from rksc_engine.config import EngineConfig
+
+DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "step_overhead.json"
+ARMS = ("shared_prefix", "static_rows", "compiled", "generate")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="*", default=["llama3", "qwen2.5", "gemma2"],
+                        help="tiny-config families (default llama3 qwen2.5 gemma2)")
+    parser.add_argument("--default-model", action="store_true", help="also the embedded default model")
+    parser.add_argument("--rows", default="1,8,32,64", help="comma-separated rows (default 1,8,32,64)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
+    parser.add_argument("--compile", action="store_true", help="add the compiled static-rows arm (slow to build)")
+    parser.add_argument("--short", type=int, default=4, help="tokens of the short run (default 4)")
+    parser.add_argument("--long", type=int, default=20, help="tokens of the long run (default 20)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each length per arm (default 3)")
+    parser.add_argument("--no-time", action="store_true", help="counts only (no wall time)")
+    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
+    args = parser.parse_args(argv)
+    args.rows = [int(r) for r in args.rows.split(",")]
+    args.layouts = args.layouts.split(",")
+    if args.long <= args.short or args.short < 2:
+        parser.error("need 2 <= --short < --long")
+    return args
+
+
+def prompts_for(tokenizer_vocab_chars: bool, rows: int) -> list[str]:
+    """``rows`` distinct prompts of similar lengths (different questions, one frame)."""
+    return [f"Question {i}: a shelf holds {i + 3} boxes of {2 * i + 5} books. How many books?" for i in range(rows)]
+
+
+def measure_model(name: str, model, tokenizer, args: argparse.Namespace) -> list[dict]:
+    rows_out = []
+    arms = [a for a in ARMS if a != "compiled" or args.compile]
+    with no_end_of_text(model, tokenizer):
+        engines = {}
+        for arm in arms:
+            if arm == "generate":
+                continue
+            config = EngineConfig(decode_attention="static_rows" if arm != "shared_prefix" else "shared_prefix",
+                                  decode_capture="compile" if arm == "compiled" else "off")
+            engines[arm] = RKSCEngine(model, tokenizer, config)
+        for layout in args.layouts:
+            for rows in args.rows:
+                work = workload(layout, rows, prompts_for(True, max(rows, 2)))
+                runs = {arm: (generate_run(model, tokenizer, work) if arm == "generate" else engine_run(engines[arm], work))
+                        for arm in arms}
+                cell = {"model": name, "layout": layout, "rows": rows}
+                for arm, run in runs.items():
+                    run(args.short)  # warm: compiled steps are built here, caches allocated
+                    cost = per_step(run, args.short, args.long)
+                    cell[arm] = {"operator_calls": round(cost.operator_calls, 1), "python_calls": round(cost.python_calls, 1)}
+                if not args.no_time:
+                    for _ in range(args.repeats):  # arms alternate, a repeat each
+                        for arm, run in runs.items():
+                            ms = time_per_step(run, args.short, args.long, 1)
+                            cell[arm].setdefault("ms_runs", []).append(round(ms, 3))
+                    for arm in runs:
+                        cell[arm]["ms"] = min(cell[arm]["ms_runs"])
+                rows_out.append(cell)
+                print(format_cell(cell, arms), flush=True)
+    return rows_out
+
+
+def format_cell(cell: dict, arms: list[str]) -> str:
+    parts = [f"{cell['model']:>14} {cell['layout']:>11} {cell['rows']:>3}"]
+    for arm in arms:
+        figures = cell[arm]
+        ms = f" {figures['ms']:7.2f} ms" if "ms" in figures else ""
+        parts.append(f"{arm}: {figures['operator_calls']:6.0f} ops {figures['python_calls']:7.0f} py{ms}")
+    return " | ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from families import char_tokenizer
+
+    results = []
+    for name in args.families:
+        results += measure_model(name, make_family_model(name), char_tokenizer(), args)
+    if args.default_model:
+        engine = RKSCEngine.from_pretrained()
+        results += measure_model("SmolLM2-135M", engine.model, engine.tokenizer, args)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                         "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                         "cells": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
