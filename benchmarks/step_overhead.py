@@ -16,14 +16,11 @@ running:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import sys
-from pathlib import Path
 
 import torch
 
-from rksc_bench.families import make_family_model
+from rksc_bench import harness
+from rksc_bench.families import char_tokenizer, make_family_model
 from rksc_bench.step_overhead import (
     LAYOUTS,
     engine_run,
@@ -36,32 +33,30 @@ from rksc_bench.step_overhead import (
 from rksc_engine import RKSCEngine
 from rksc_engine.config import EngineConfig
 
-DEFAULT_JSON_OUT = Path(__file__).resolve().parent / "results" / "step_overhead.json"
 ARMS = ("shared_prefix", "static_rows", "compiled", "generate")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.bench_parser(__file__, __doc__, model=False)
     parser.add_argument("--families", nargs="*", default=["llama3", "qwen2.5", "gemma2"],
                         help="tiny-config families (default llama3 qwen2.5 gemma2)")
     parser.add_argument("--default-model", action="store_true", help="also the embedded default model")
-    parser.add_argument("--rows", default="1,8,32,64", help="comma-separated rows (default 1,8,32,64)")
+    parser.add_argument("--rows", type=harness.positive_int_list, default=[1, 8, 32, 64],
+                        help="comma-separated rows (default 1,8,32,64)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
     parser.add_argument("--compile", action="store_true", help="add the compiled static-rows arm (slow to build)")
-    parser.add_argument("--short", type=int, default=4, help="tokens of the short run (default 4)")
-    parser.add_argument("--long", type=int, default=20, help="tokens of the long run (default 20)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each length per arm (default 3)")
+    parser.add_count("--short", 4, "tokens of the short run (default 4)")
+    parser.add_count("--long", 20, "tokens of the long run (default 20)")
+    parser.add_repeats(3)
     parser.add_argument("--no-time", action="store_true", help="counts only (no wall time)")
-    parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON_OUT)
     args = parser.parse_args(argv)
-    args.rows = [int(r) for r in args.rows.split(",")]
     args.layouts = args.layouts.split(",")
     if args.long <= args.short or args.short < 2:
         parser.error("need 2 <= --short < --long")
     return args
 
 
-def prompts_for(tokenizer_vocab_chars: bool, rows: int) -> list[str]:
+def prompts_for(rows: int) -> list[str]:
     """``rows`` distinct prompts of similar lengths (different questions, one frame)."""
     return [f"Question {i}: a shelf holds {i + 3} boxes of {2 * i + 5} books. How many books?" for i in range(rows)]
 
@@ -79,7 +74,7 @@ def measure_model(name: str, model, tokenizer, args: argparse.Namespace) -> list
             engines[arm] = RKSCEngine(model, tokenizer, config)
         for layout in args.layouts:
             for rows in args.rows:
-                work = workload(layout, rows, prompts_for(True, max(rows, 2)))
+                work = workload(layout, rows, prompts_for(max(rows, 2)))
                 runs = {arm: (generate_run(model, tokenizer, work) if arm == "generate" else engine_run(engines[arm], work))
                         for arm in arms}
                 cell = {"model": name, "layout": layout, "rows": rows}
@@ -110,20 +105,15 @@ def format_cell(cell: dict, arms: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    harness.start_run(args)
     torch.manual_seed(0)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from families import char_tokenizer
-
     results = []
     for name in args.families:
         results += measure_model(name, make_family_model(name), char_tokenizer(), args)
     if args.default_model:
         engine = RKSCEngine.from_pretrained()
         results += measure_model("SmolLM2-135M", engine.model, engine.tokenizer, args)
-    args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                         "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                         "cells": results}, indent=1))
+    harness.write_json(args.json_out, {"arguments": vars(args), "cells": results})
 
 
 if __name__ == "__main__":
