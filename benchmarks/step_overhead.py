@@ -64,7 +64,7 @@ def prompts_for(rows: int) -> list[str]:
 def measure_model(name: str, model, tokenizer, args: argparse.Namespace) -> list[dict]:
     rows_out = []
     arms = [a for a in ARMS if a != "compiled" or args.compile]
-    with no_end_of_text(model, tokenizer):
+    with no_end_of_text(model, tokenizer) as tokenizer:
         engines = {}
         for arm in arms:
             if arm == "generate":

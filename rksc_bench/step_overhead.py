@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -99,30 +100,26 @@ class StepCost:
 
 
 @contextlib.contextmanager
-def no_end_of_text(model: Any, tokenizer: Any) -> Iterator[None]:
-    """Turn the model's end-of-text tokens off for the block (the generation config's and the
-    tokenizer's), so every row decodes to its token limit."""
+def no_end_of_text(model: Any, tokenizer: Any) -> Iterator[Any]:
+    """For the block, turn the model's end-of-text token off (its generation config's), and yield a
+    copy of ``tokenizer`` without one, for the engines built in the block: every row then decodes
+    to its token limit."""
     config = model.generation_config
-    saved = (config.eos_token_id, tokenizer.eos_token_id)
+    saved = config.eos_token_id
+    quiet = copy.deepcopy(tokenizer)
+    quiet.eos_token = None
     config.eos_token_id = None
-    special = getattr(tokenizer, "_special_tokens_map", None)
-    old_special = dict(special) if isinstance(special, dict) else None
     try:
-        tokenizer.eos_token = None
-    except (AttributeError, ValueError, TypeError):
-        pass
-    try:
-        yield
+        yield quiet
     finally:
-        config.eos_token_id = saved[0]
-        if old_special is not None:
-            tokenizer._special_tokens_map.clear()
-            tokenizer._special_tokens_map.update(old_special)
+        config.eos_token_id = saved
 
 
 def per_step(run: Callable[[int], int], short: int, long: int, *, count_python: bool = True) -> StepCost:
     """The cost of one step of ``run(max_new_tokens) -> steps taken``: the long run's less the
-    short run's, over the steps between them (operator calls, Python calls; no timing)."""
+    short run's, over the steps between them (operator calls, Python calls; no timing). A first,
+    uncounted short run takes what happens once (probes, buffers, compiled steps)."""
+    run(short)
     counts = []
     for tokens in (short, long):
         counter = OperatorCounter()

@@ -251,6 +251,10 @@ class StaticRows:
         self.pool.release([s for s in self.slots if s not in keep])
         self.slots = kept
 
+    def batch_select_indices(self, index: torch.Tensor) -> None:
+        """``keep`` by a tensor of rows, as ``transformers``' caches take it (``select_rows``)."""
+        self.keep(index.tolist())
+
     def release(self) -> None:
         self.pool.release(self.slots)
         self.slots = []

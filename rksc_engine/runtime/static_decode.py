@@ -91,27 +91,6 @@ class StaticStep:
         return self._run(next_tokens[:top, None], positions, masks, pool.keys, pool.values, key_length)
 
 
-def forward_static_rows(run: Any, step: StaticStep, pool: StaticRowPool, requests: list[Any], dtype: torch.dtype
-                        ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The running rows of ``requests`` (each ``cache`` a ``StaticRows`` of ``pool``) one token
-    further, in one forward over the pool's rows. ``run(forward)`` runs the pass (with the
-    runner's out-of-memory retry). Returns the next-token logits (rows, V) in the requests' order and
-    each request's rows in them, as ``batch_forward.forward_rows`` does."""
-    order: list[int] = []
-    row_ranges = []
-    for request in requests:
-        row_ranges.append((len(order), len(order) + request.cache.num_rows))
-        order += request.cache.slots
-    index = torch.tensor(order, device=pool.device)
-    pool.next_tokens.index_copy_(0, index, torch.cat([r.next_tokens for r in requests]))
-    logits = run(lambda: step.logits(pool, pool.next_tokens, dtype))  # (top, V)
-    live = torch.zeros(pool.top, dtype=torch.long, device=pool.device).index_fill_(0, index, 1)
-    pool.advance(live, order)
-    if order != list(range(pool.top)):  # holes, or rows in another order than the slots
-        logits = logits.index_select(0, index)
-    return logits, row_ranges
-
-
 def probe_static_rows(model: Any, step: StaticStep, forward: Any, tolerance: Any) -> tuple[bool, str]:
     """Check once, numerically, that ``model`` decodes the same over static rows: two prompts of
     different lengths (past a short sliding window) step together over a pool and each alone
