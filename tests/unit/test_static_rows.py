@@ -343,6 +343,6 @@ def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tok
             handles = [engine.submit(p, n, params) for p, n, params in work]
         got[name] = [[c.token_ids for c in h.result()] for h in handles]
     assert got["compiled"] == got["eager"]
-    for (prompt, n, params), tokens in zip(work[:3], got["compiled"][:3]):
+    for (prompt, _, params), tokens in zip(work[:3], got["compiled"][:3]):
         assert tokens[0] == engine_hf_greedy(compiled, prompt, params.max_new_tokens)
     assert compiled.runner.static_step.compiled and compiled.runner.static_step.num_steps > 0
