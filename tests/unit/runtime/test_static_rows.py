@@ -17,6 +17,10 @@ from rksc_engine.kvcache.static_rows import CAPACITY_STEP, StaticRowPool
 from rksc_engine.runtime.static_decode import StaticStep
 
 ATTENTION_FAMILIES = [f.name for f in FAMILIES if not f.recurrent]
+# In the fast tier: full attention, sliding windows with soft-capping, sliding windows with sinks.
+FAST_FAMILIES = ("llama3", "gemma2", "gpt-oss")
+FAMILY_CASES = [pytest.param(name, marks=() if name in FAST_FAMILIES else pytest.mark.slow)
+                for name in ATTENTION_FAMILIES]
 
 
 def _pool_with(rows_per_request: list[int], length: int = 4) -> tuple[StaticRowPool, list]:
@@ -120,7 +124,7 @@ def _static_greedy(model, prompts: list[torch.Tensor], steps: int, finish_first_
     return outs
 
 
-@pytest.mark.parametrize("name", ATTENTION_FAMILIES)
+@pytest.mark.parametrize("name", FAMILY_CASES)
 def test_static_rows_decode_as_the_models_own_cache_for_every_attention_family(name):
     model = make_family_model(name)
     assert keeps_token_kv(model.config)
@@ -171,7 +175,7 @@ def tokenizer():
     return make_char_tokenizer()
 
 
-@pytest.mark.parametrize("name", ATTENTION_FAMILIES)
+@pytest.mark.parametrize("name", FAMILY_CASES)
 def test_every_attention_family_decodes_greedy_as_transformers_generate_over_static_rows(name, tokenizer):
     engine = RKSCEngine(make_family_model(name), tokenizer, STATIC)
     params = SamplingParams(max_new_tokens=12)
