@@ -121,7 +121,7 @@ class Admission:
                 return  # not this step: its prompt would overrun what is left of the budget
             requests.move(request, ADMITTED)
             try:
-                request.shared_prefix = self.runner.decodes_with_shared_prefix()  # may refuse (forced but unsupported)
+                request.layout = self.runner.decode_layout()  # may refuse (forced but unsupported)
             except Exception as error:  # this request fails, nothing counted; the others go on
                 self.host.fail(request, error)
                 continue

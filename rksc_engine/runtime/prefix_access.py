@@ -25,6 +25,7 @@ from ..config import ASKSConfig
 from ..kvcache.radix import RadixNode, RadixPrefixCache
 from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.state_snapshots import StateSnapshots
+from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
 from .model_runner import ModelRunner
 from .stats import Counters
@@ -265,7 +266,7 @@ class PrefixAccess:
             return 0
         return self.prefix_cache.match_prefix(list(token_ids)).num_tokens
 
-    def cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Cache) -> None:
+    def cache_generated(self, prompt_ids: list[int], token_ids: list[int], cache: Cache | StaticRows) -> None:
         """Keep a single completion's KV too, the way SGLang caches finished requests: an agent's
         next prompt usually repeats this answer, so it is served from the cache instead of recomputed."""
         # The last generated token was never fed back, so its KV does not exist.
@@ -277,6 +278,15 @@ class PrefixAccess:
             suffix = cache.suffix_kv(0)
             if suffix.shape[3] == len(sequence) - len(prompt_ids):
                 self.prefix_cache.insert(sequence, suffix, kv_offset=len(prompt_ids))
+            return
+        if isinstance(cache, StaticRows):
+            # The row holds the prompt and the answer; only the answer is new. Stacked: a copy, so
+            # the radix cache keeps nothing of a slot the pool will hand out again.
+            offset = len(prompt_ids)
+            layers = cache.layer_kv(0)
+            if layers[0][0].shape[2] == len(sequence):
+                generated = torch.stack([torch.stack((k[0, :, offset:], v[0, :, offset:])) for k, v in layers])
+                self.prefix_cache.insert(sequence, generated, kv_offset=offset)
             return
         kv_all = stack_kv(cache)
         if kv_all.shape[3] == len(sequence):

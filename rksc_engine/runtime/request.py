@@ -19,8 +19,10 @@ from transformers.cache_utils import Cache
 from ..config import SamplingParams
 from ..kvcache.radix import RadixNode
 from ..kvcache.shared_prefix import SharedPrefixCache
+from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
 from .handle import BranchMonitor, LogitsProcessor, RequestChannel
+from .model_runner import DecodeLayout
 from .prefix_access import Prefilled, PromptSegments
 
 
@@ -152,13 +154,14 @@ class Request:
     context_spans: tuple[tuple[int, int], ...] | None = None  # the prompt cut at the chunk separator
     status: RequestStatus | None = None  # set by the registry only (None until registered)
     # Set at admission:
-    shared_prefix: bool = False  # decode through SharedPrefixCache (the engine's probe said yes)
+    layout: DecodeLayout = DecodeLayout.DYNAMIC_CACHE  # how its branches hold their KV (the runner decides)
     prefill: PrefillProgress | None = None  # while its prompt is prefilled in passes
     # Set when it starts decoding:
     branches: list[Branch] = field(default_factory=list)
     active: list[int] = field(default_factory=list)  # active[row] = branch index of that batch row
     generators: list[torch.Generator] = field(default_factory=list)
-    cache: Cache | None = None  # SharedPrefixCache (batched with others) or a transformers DynamicCache (alone)
+    # SharedPrefixCache or StaticRows (batched with others), or a transformers DynamicCache (alone).
+    cache: Cache | StaticRows | None = None
     next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
     max_new: int = 0
     num_cached_tokens: int = 0
@@ -171,8 +174,17 @@ class Request:
     replay: Replay = field(default_factory=Replay)
 
     @property
+    def shared_prefix(self) -> bool:
+        """Whether it decodes (or will) through ``SharedPrefixCache``."""
+        return self.layout is DecodeLayout.SHARED_PREFIX
+
+    @property
     def shared(self) -> bool:
         return isinstance(self.cache, SharedPrefixCache)
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.cache, StaticRows)
 
     @property
     def head(self) -> Request:

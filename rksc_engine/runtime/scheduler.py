@@ -54,14 +54,15 @@ import torch
 
 from ..config import SamplingParams, SchedulerConfig
 from ..kvcache.shared_prefix import SharedPrefixCache
+from ..kvcache.static_rows import StaticRowPool
 from ..results import EngineStats
 from .admission import Admission
-from .batch_forward import forward_rows
+from .batch_forward import forward_rows, forward_static_rows
 from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
-from .model_runner import ModelRunner, ran_out_of_memory
+from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
 from .prefill import Prefiller
 from .prefix_access import Prefilled
 from .registry import RequestRegistry
@@ -117,7 +118,7 @@ class Scheduler:
         runner.min_budget_tokens = self.largest_prompt_tokens
         self._cv = threading.Condition()  # the loop thread's start, idle wait and exit
         self.requests = RequestRegistry()
-        self.kv = RequestKV(prefiller, config)
+        self.kv = RequestKV(prefiller, config, runner.device, runner.dtype)
         self.admission = Admission(config, runner, prefiller, self.requests, counters, self)
         self._config = config
         self._thread: threading.Thread | None = None
@@ -354,7 +355,8 @@ class Scheduler:
         runner = self.runner
         running = self.requests.decoding()  # waves added during this decode take their next token next step
         batched = [r for r in running if r.shared]
-        alone = [r for r in running if not r.shared]
+        static = [r for r in running if r.static]
+        alone = [r for r in running if not r.shared and not r.static]
         mixed = self.admission.forward_with_pack(batched, pack) if batched and pack else None
         prefilled: list[Prefilled] | None = None
         stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
@@ -367,12 +369,15 @@ class Scheduler:
             except Exception as error:
                 self._decode_failed(error, running, batched)
         if stepped is not None:
-            logits, row_ranges = stepped
-            takes_greedy = [r.params.greedy and r.logits_processor is None for r in batched]
-            greedy = greedy_choices(logits, takes_greedy)
-            for request, takes, (start, stop) in zip(batched, takes_greedy, row_ranges):
-                chosen = (greedy[0][start:stop], greedy[1][start:stop]) if greedy is not None and takes else None
-                self._advance_or_fail(request, logits[start:stop], chosen)
+            self._advance_rows(batched, *stepped)
+        if static:
+            try:
+                self.kv.make_room()
+                logits, row_ranges, slots = forward_static_rows(runner, self.kv.static_pool, static)
+            except Exception as error:
+                self._decode_failed(error, running, static)
+            else:
+                self._advance_rows(static, logits, row_ranges, self.kv.static_pool, slots)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             if request.head.channel.finished or not request.active:
                 continue
@@ -387,6 +392,26 @@ class Scheduler:
                 self.admission.start_prefilled(pack, prefilled)
             else:
                 self.admission.prefill_pack(pack)
+
+    def _advance_rows(self, requests: list[Request], logits: torch.Tensor, row_ranges: list[tuple[int, int]],
+                      pool: StaticRowPool | None = None, slots: torch.Tensor | None = None) -> None:
+        """Advance each of ``requests`` by its rows ``row_ranges`` of one forward's ``logits`` (rows,
+        V). The greedy ones without a logits processor take their tokens from one argmax for all,
+        read to the host once; with ``pool`` (static rows, ``slots`` each row's), those tokens go
+        into the pool's next tokens in one write. The work per request is then Python only."""
+        takes_greedy = [r.params.greedy and r.logits_processor is None for r in requests]
+        greedy = greedy_choices(logits, takes_greedy)
+        if greedy is not None:
+            token_list, logprob_list = greedy[0].tolist(), greedy[1].tolist()
+            if pool is not None:
+                pool.next_tokens.index_copy_(0, slots, greedy[0])
+        for request, takes, (start, stop) in zip(requests, takes_greedy, row_ranges):
+            if greedy is None or not takes:
+                self._advance_or_fail(request, logits[start:stop])
+                continue
+            # Static rows feed their next tokens from the pool; the others keep theirs for the forward.
+            next_tokens = None if pool is not None else greedy[0][start:stop]
+            self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
 
     def _decode_failed(self, error: Exception, running: list[Request], failed: list[Request]) -> None:
         """A decode forward over ``failed`` raised ``error`` (every cache was rolled back). Out of
@@ -404,14 +429,15 @@ class Scheduler:
         self.preempt(victim)
         self.admission.rows_cap = sum(len(r.active) for r in running if r is not victim)
 
-    def _advance_or_fail(self, request: Request, logits: torch.Tensor,
-                         chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    def _advance_or_fail(self, request: Request, logits: torch.Tensor | None,
+                         chosen: tuple[list[int], list[float]] | None = None,
+                         next_tokens: torch.Tensor | None = None) -> bool:
         """``_advance``, but an error (a failing logits processor or monitor, say) fails this request
         alone; only a ``KeyboardInterrupt`` on the main thread stops the step (module docstring)."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
         try:
-            return self._advance(request, logits, chosen)
+            return self._advance(request, logits, chosen, next_tokens)
         except KeyboardInterrupt as error:
             if threading.current_thread() is threading.main_thread():
                 raise  # the user's Ctrl-C, wherever the main thread was: it stops the step (module docstring)
@@ -421,22 +447,26 @@ class Scheduler:
             self.fail(request, _as_failure(error))
             return False
 
-    def _advance(self, request: Request, logits: torch.Tensor,
-                 chosen: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    def _advance(self, request: Request, logits: torch.Tensor | None,
+                 chosen: tuple[list[int], list[float]] | None = None,
+                 next_tokens: torch.Tensor | None = None) -> bool:
         """Sample the next token of each active row of ``request`` from ``logits`` (rows, V), record
         it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
-        the request (this wave, for an added one) still has rows. ``chosen``, given only to a greedy
-        request without a logits processor, is its rows' tokens and log-probabilities, picked for the
-        whole batch at once (``greedy_choices``)."""
+        the request (this wave, for an added one) still has rows.
+
+        ``chosen``, given only to a greedy request without a logits processor, is its rows' tokens
+        and log-probabilities, picked for the whole batch at once (``greedy_choices``), and
+        ``next_tokens`` the same tokens as the tensor its next forward feeds (None when the forward
+        finds them elsewhere: static rows read them from their pool)."""
         params, head = request.params, request.head
-        if request.logits_processor is not None:
-            logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
         if chosen is not None:
-            tokens, logprobs = chosen
+            token_list, logprob_list = chosen
         else:
+            if request.logits_processor is not None:
+                logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
             generators = [request.generators[b] for b in request.active] if request.generators else []
-            tokens, logprobs = choose_next_tokens(logits, params, generators)
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            next_tokens, logprobs = choose_next_tokens(logits, params, generators)
+            token_list, logprob_list = next_tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,
                          self.runner.eos_token_ids, self.tokenizer)
@@ -451,7 +481,7 @@ class Scheduler:
             for b in request.active:  # a branch stopped by the monitor ends in stop_branches
                 if request.branches[b].finish_reason is not None or b not in head.branching.pending_stop:
                     emit(request, request.branches[b])
-        request.next_tokens = tokens
+        request.next_tokens = next_tokens
         if not stop_branches(request, self.counters, self.runner.device):
             self._member_done(request)
             return False
@@ -477,10 +507,12 @@ class Scheduler:
         request.max_new = min(request.params.max_new_tokens, self.runner.context_window - len(request.prompt_ids))
         branching = request.branching
         forks = branching.max_branches > request.n
-        # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt cache.
-        plain = not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
-        template = copy.deepcopy(prefilled.cache) if forks and plain else None
-        request.cache = self.kv.decode_cache(prefilled.cache, request.n, request.max_new, request.shared_prefix,
+        # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt
+        # cache; static rows copy it into their slots and leave it as it is.
+        static = request.layout is DecodeLayout.STATIC_ROWS
+        plain = not static and not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
+        template = (prefilled.cache if static else copy.deepcopy(prefilled.cache) if plain else None) if forks else None
+        request.cache = self.kv.decode_cache(prefilled.cache, request.n, request.max_new, request.layout,
                                              request=request if prefilled.exact else None)
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in

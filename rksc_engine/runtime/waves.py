@@ -59,10 +59,10 @@ def fork_wave(owner: Request, count: int, request_id: int, kv: RequestKV, device
     wave = Request(request_id, owner.prompt_ids, count, owner.params, owner.channel, owner.stream,
                    owner.logits_processor, owner.seed)
     wave.owner = owner
-    wave.shared_prefix, wave.max_new = owner.shared_prefix, owner.max_new
+    wave.layout, wave.max_new = owner.layout, owner.max_new
     wave.num_cached_tokens, wave.exact, wave.reuse_decision = owner.num_cached_tokens, owner.exact, owner.reuse_decision
     wave.num_private_segments = owner.num_private_segments
-    wave.cache = kv.fork_cache(branching.fork, count, owner.max_new)
+    wave.cache = kv.fork_cache(branching.fork, count, owner.max_new, static=owner.static)
     owner.branches.extend(Branch(first + j) for j in range(count))
     if not owner.params.greedy:
         owner.generators.extend(make_generators(owner.seed + first, count, device))

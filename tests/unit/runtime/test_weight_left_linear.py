@@ -34,6 +34,12 @@ class SubclassedLinear(torch.nn.Linear):
     """A subclass (as quantized and adapter layers are): computes otherwise, so it is left alone."""
 
 
+@pytest.fixture(autouse=True)
+def small_layers_too(monkeypatch):
+    """These tests' layers are small: let them take the product, as a model's large ones do."""
+    monkeypatch.setattr(weight_left_linear, "MIN_WEIGHT_ELEMENTS", 0)
+
+
 @pytest.fixture
 def products(monkeypatch):
     """The shapes of the inputs that took the weight-left product."""
@@ -46,6 +52,13 @@ def products(monkeypatch):
 
     monkeypatch.setattr(weight_left_linear, "weight_left_linear", counted)
     return calls
+
+
+def test_layers_smaller_than_the_bound_stay_linear(monkeypatch):
+    monkeypatch.setattr(weight_left_linear, "MIN_WEIGHT_ELEMENTS", 64 * 64)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 63), torch.nn.Linear(64, 64))
+    assert install(model) == 1
+    assert [type(m) for m in model] == [torch.nn.Linear, WeightLeftLinear]
 
 
 def test_install_takes_plain_float32_cpu_linears_only_and_once():
