@@ -8,25 +8,27 @@ channel, never the batch or the cache.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 from ..config import SamplingParams
 from ..results import Completion, StreamChunk
+from .detokenize import Detokenizer
 from .request import Branch, Request
 
 
 def append_token(branch: Branch, token: int, logprob: float, params: SamplingParams, max_new: int,
-                 eos_token_ids: Collection[int], tokenizer: Any) -> None:
+                 eos_token_ids: Collection[int], detokenizer: Detokenizer) -> None:
     """Record ``token`` on ``branch`` and set its ``finish_reason`` when it ends the branch: an end
-    of sequence token, a stop string in the text (the text is cut before it), or ``max_new`` tokens."""
+    of sequence token, a stop string in the text (the text is cut before it), or ``max_new`` tokens.
+    The text is the decode of the tokens before an end of sequence token."""
     branch.token_ids.append(token)
     branch.logprobs.append(logprob)
     if len(branch.token_ids) > branch.skip_tokens:
         branch.pending_ids.append(token)
     if token in eos_token_ids:
         branch.finish_reason = "eos"
+        branch.text = detokenizer.whole(branch.text, branch.token_ids[:-1], branch.text_state)
         return
-    branch.text = tokenizer.decode(branch.token_ids, skip_special_tokens=True)
+    branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
     if params.stop:
         cut = first_stop(branch.text, params.stop)
         if cut is not None:
@@ -35,6 +37,7 @@ def append_token(branch: Branch, token: int, logprob: float, params: SamplingPar
             return
     if len(branch.token_ids) >= max_new:
         branch.finish_reason = "length"
+        branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
 
 
 def emit(request: Request, branch: Branch) -> None:

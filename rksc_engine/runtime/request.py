@@ -21,6 +21,7 @@ from ..kvcache.radix import RadixNode
 from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
+from .detokenize import TextState
 from .handle import BranchMonitor, LogitsProcessor, RequestChannel
 from .model_runner import DecodeLayout
 from .prefix_access import Prefilled, PromptSegments
@@ -73,6 +74,7 @@ class Branch:
     emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
     pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
     skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
+    text_state: TextState = field(default_factory=TextState)  # how many tokens `text` covers
 
 
 @dataclass

@@ -60,6 +60,7 @@ from .admission import Admission
 from .batch_forward import forward_rows, forward_static_rows
 from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
+from .detokenize import Detokenizer
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
@@ -109,6 +110,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, prefiller: Prefiller, tokenizer: Any, config: SchedulerConfig,
                  counters: Counters) -> None:
         self.runner, self.prefiller, self.tokenizer = runner, prefiller, tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
         self.counters = counters
         self.prefix_cache = prefiller.prefix_cache
         # Whoever lets go of the engine last (a step, a verifier pass, an exclusive() block) publishes
@@ -469,7 +471,7 @@ class Scheduler:
             token_list, logprob_list = next_tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,
-                         self.runner.eos_token_ids, self.tokenizer)
+                         self.runner.eos_token_ids, self.detokenizer)
         self.counters.count("decode_tokens", len(request.active))
         control = observe(request, token_list, logprob_list)
         if control is not None:
