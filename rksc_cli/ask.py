@@ -1,6 +1,8 @@
 """``rksc ask``: answer a question with self-consistency over ``--branches`` reasoning branches
 that share one computed prompt; ``--early-stop`` picks when branches stop early (default ``decided``:
-once they cannot change the vote's winner), and the output says what that saved.
+once they cannot change the vote's winner), and the output says what that saved. ``--server URL``
+reasons over a model an OpenAI-compatible server runs (vLLM, SGLang, llama.cpp, Ollama, ``transformers
+serve``, ``rksc serve``) through a ``RemoteEngine``, with the same rules.
 
 ``rksc_cli`` adds this subcommand with ``add_arguments``/``run`` beside ``rksc bench`` and ``rksc serve``;
 ``python -m rksc_cli.ask ask ...`` runs it alone. It sits outside ``rksc_engine`` because a command line is
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -22,12 +25,31 @@ from rksc_engine.reasoning.few_shot import few_shot_messages
 from rksc_engine.reasoning.self_consistency import ReasoningResult
 
 
+def build_engine(args: argparse.Namespace) -> object:
+    """The engine ``rksc ask`` reasons on: a ``RemoteEngine`` on ``--server``, else the local model."""
+    if args.server is None:
+        from rksc_engine.engine import RKSCEngine
+
+        return RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    local_only = [flag for flag, value, default in (("--model", args.model, None), ("--device", args.device, "auto"),
+                                                    ("--dtype", args.dtype, "auto")) if value != default]
+    if local_only:
+        raise ValueError(f"{', '.join(local_only)} load a local model; with --server the server's model answers "
+                         f"(name it with --server-model)")
+    from rksc_engine.remote import RemoteEngine
+
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    return RemoteEngine(args.server, model=args.server_model, api_key=api_key)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``rksc ask`` with the parsed ``args``; returns the exit status."""
-    from rksc_engine.engine import RKSCEngine
-
     t0 = time.perf_counter()
-    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    engine = build_engine(args)
     load_s = time.perf_counter() - t0
     shots = load_gsm8k_jsonl(args.shots_from, limit=args.shots) if args.shots_from else synthetic_problems(args.shots, seed=1)
     messages = few_shot_messages(args.question, shots)
@@ -49,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                          for b in branches],
             "verification": result.verification.summary(),
             "early_stop": result.early_stop.as_dict() if result.early_stop is not None else None,
+            "server_limits": list(result.server_limits),
             "stats": stats.as_dict(), "load_s": load_s, "generate_s": gen_s,
         }, indent=2))
         return 0
@@ -64,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     print(result.verification.summary())
     print(f"Answer: {winner}  votes={dict(votes)}")
     print(_early_stop_line(args.early_stop, result))
+    for line in result.server_limits:
+        print(f"Server: {line}")
     print(f"Prompt tokens computed: {stats.prompt_tokens_computed} (once for all {args.branches} branches; "
           f"reused from cache: {stats.prompt_tokens_reused}) | decode tokens: {stats.decode_tokens} | "
           f"cache: {stats.cache_bytes / 2**20:.1f} MiB | generate: {gen_s:.1f}s (load {load_s:.1f}s)")
@@ -90,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("question")
     parser.add_argument("--branches", "-n", type=int, default=8, help="sibling reasoning branches (default 8)")
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--server", default=None, metavar="URL",
+                        help="reason over the model an OpenAI-compatible server runs, e.g. http://127.0.0.1:8000/v1 "
+                             "(vLLM, SGLang, llama.cpp, Ollama, transformers serve, rksc serve)")
+    parser.add_argument("--server-model", default=None, metavar="NAME",
+                        help="the model to ask the server for (default: the first one it lists)")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR",
+                        help="environment variable holding the server's API key (sent as a bearer token)")
     parser.add_argument("--shots", type=int, default=8, help="worked examples in the prompt (default 8)")
     parser.add_argument("--shots-from", default=None, help="GSM8K-format JSONL to take the examples from (default: built-in synthetic set)")
     parser.add_argument("--temperature", type=float, default=0.7)

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import CGEEConfig, SamplingParams
-from ..protocol import LocalEngine
+from ..protocol import LocalEngine, ServedEngine
 from .answers import extract_gsm8k_answer, majority_vote
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
 from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
 from .few_shot import Problem, check_problems, few_shot_messages
+from .served import served_judge, served_limits
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
 AnswerExtractor = Callable[[str], "str | None"]
@@ -89,6 +90,8 @@ class VerificationReport:
         num_layers: Decoder layers of the judge model, when it has them.
         verify_s: Wall time spent verifying.
         check_s: Part of ``verify_s`` spent on the layer-exit checks themselves.
+        levels: The CGEE levels that ran: 1 when the skip rule judged the vote, 2 when the verifier's
+            passes checked for a layer exit (a local judge with ``exit_enabled``); () for neither.
         time_saved_s: An *estimate* of the wall time CGEE saved on this call against verifying every
             candidate at full depth (see ``rksc_engine.reasoning.verifier``): for a skip, the verifier's
             measured full-depth cost per candidate times the candidates; for a pass that stopped
@@ -107,6 +110,7 @@ class VerificationReport:
     verify_s: float = 0.0
     check_s: float = 0.0
     time_saved_s: float | None = 0.0
+    levels: tuple[int, ...] = ()
 
     @property
     def layers_saved(self) -> int:
@@ -130,7 +134,11 @@ class VerificationReport:
 
 @dataclass
 class ReasoningResult:
-    """The chosen answer, the vote, every branch, and the verification report."""
+    """The chosen answer, the vote, every branch, and the verification report.
+
+    ``server_limits`` is empty for a local engine; over a server (``RemoteEngine``), one line per
+    thing the server does not provide and what was done instead (``rksc_engine.reasoning.served``).
+    """
 
     answer: str | None
     votes: Counter
@@ -140,6 +148,12 @@ class ReasoningResult:
     generate_s: float = 0.0
     completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
     early_stop: EarlyStopReport | None = None  # what early stopping did; None when it was off
+    server_limits: tuple[str, ...] = ()
+
+    @property
+    def cgee_levels(self) -> tuple[int, ...]:
+        """The CGEE levels that ran (``VerificationReport.levels``): over a server, at most level 1."""
+        return self.verification.levels
 
     @property
     def num_truncated(self) -> int:
@@ -173,11 +187,14 @@ def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtracto
 _DEFAULT_JUDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def resolve_verifier(engine: LocalEngine, verifier: Verifier | Callable | None) -> Verifier:
+def resolve_verifier(engine: LocalEngine, verifier: Verifier | Callable | None) -> Verifier | None:
     """The engine's own default judge (one per engine) for None, a ``Verifier`` as is, or a callable
-    wrapped as a ``CallableVerifier``."""
+    wrapped as a ``CallableVerifier``. Over a server the default judge reads log-probs
+    (``LogprobJudgeVerifier``), or is None where the server sends no top log-probs."""
     if verifier is None:
         judge = _DEFAULT_JUDGES.get(engine)
+        if judge is None and isinstance(engine, ServedEngine):
+            return served_judge(engine)  # a judge of log-probs over a server, or None (the vote only)
         if judge is None:
             judge = _DEFAULT_JUDGES[engine] = LLMJudgeVerifier(engine)
         return judge
@@ -269,9 +286,10 @@ class ReasoningPlan:
     n: int
     params: SamplingParams
     extract: AnswerExtractor
-    judge: Verifier
+    judge: Verifier | None
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
+    server_limits: tuple[str, ...] = ()
 
 
 def default_cgee(engine: LocalEngine) -> CGEEConfig:
@@ -313,8 +331,8 @@ def plan_reasoning(
     judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     stop = resolve_early_stop(early_stop)
-
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop)
+    limits = served_limits(engine, stop, cgee, verifier is not None)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, limits)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
@@ -325,7 +343,7 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
     answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
     _, votes = majority_vote([b.answer for b in branches])
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),
-                           monitor.report() if monitor is not None else None)
+                           monitor.report() if monitor is not None else None, plan.server_limits)
 
 
 def verify_and_pick(
@@ -338,7 +356,8 @@ def verify_and_pick(
     """
     summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
     skip, why = should_skip(summary, cgee)
-    report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
+    report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead,
+                                levels=(1,) if cgee.skip_enabled else ())
     if judge is None:
         return summary.winner, report, summary
     candidates = [answer for answer, _ in summary.shares]
@@ -351,6 +370,8 @@ def verify_and_pick(
     if isinstance(judge, LLMJudgeVerifier):
         report.scores, trace = judge.score_with_trace(question, candidates, cgee)
         report.num_layers, report.check_s, report.time_saved_s = trace.num_layers, trace.check_s, trace.time_saved_s
+        if cgee.exit_enabled:
+            report.levels += (2,)
     else:
         report.scores = judge.score(question, candidates, cgee)
     report.verify_s = time.perf_counter() - start

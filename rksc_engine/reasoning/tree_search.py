@@ -121,6 +121,8 @@ class SearchResult:
             ``"stopped"``), ``children_cancelled`` (those of them cut while decoding, the ones that saved
             tokens; the rest finished and were left out by the confidence filter), ``decode_tokens``
             (tokens the children decoded), and ``stopped_by`` (per rule, children it stopped).
+        server_limits: Empty for a local search; over a server (``RemoteEngine.tree_search``), one
+            line per thing not done there (RSBCM's cache annotation) or the server does not provide.
     """
 
     answer: str | None
@@ -132,6 +134,7 @@ class SearchResult:
     wall_s: float
     cache_bytes_trace: list[int] = field(default_factory=list)
     early_stop: dict[str, Any] | None = None
+    server_limits: tuple[str, ...] = ()
 
     def path(self, index: int) -> list[SearchNode]:
         """Nodes from the root to ``nodes[index]``."""

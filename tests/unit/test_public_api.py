@@ -22,7 +22,7 @@ EXPORTED = {
     "EngineConfig", "EngineStats", "ForwardOutOfMemoryError", "LRUPolicy", "LocalEngine", "OmegaPolicy",
     "Prefilled", "PrefixCacheConfig", "PrefixMatch", "RKSCEngine", "RSBCMConfig", "RadixPrefixCache",
     "RemoteEngine", "RemoteServerError", "RequestCancelled", "RequestHandle", "SamplingParams",
-    "SchedulerConfig", "SearchNode", "SearchResult", "StreamChunk",
+    "SchedulerConfig", "SearchNode", "SearchResult", "ServedEngine", "ServerCapabilities", "StreamChunk",
 }
 
 # Paths users were shown before the package was cut into folders; each must keep importing.
@@ -35,7 +35,7 @@ DOCUMENTED = {
     "rksc_engine.rag_workload": ["fact_corpus", "rag_queries"],
     "rksc_engine.config": ["ASKSConfig", "RSBCMConfig", "EngineConfig", "SamplingParams"],
     "rksc_engine.reasoning": ["reason", "areason", "ReasoningResult", "tree_search", "few_shot_messages",
-                              "EarlyStopConfig", "LLMJudgeVerifier"],
+                              "EarlyStopConfig", "LLMJudgeVerifier", "LogprobJudgeVerifier"],
 }
 
 
