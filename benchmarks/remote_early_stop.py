@@ -112,7 +112,7 @@ def markdown(arms: dict[str, dict[str, dict[str, Any]]], args: Any) -> str:
                          f"{row['right']}/{row['questions']} |")
     limits = {line for rows in arms.values() if "not_run" not in rows for line in rows["none"]["server_limits"]}
     if limits:
-        lines += ["", "What the servers did not provide (``ReasoningResult.server_limits``):", ""]
+        lines += ["", "What the servers did not provide (`ReasoningResult.server_limits`):", ""]
         lines += [f"- {line}" for line in sorted(limits)]
     return "\n".join(lines) + "\n"
 

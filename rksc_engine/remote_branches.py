@@ -15,10 +15,11 @@ Contract:
       A delta that lists no log-probs counts as one token. Each token is held back until the next
       delta or the end of its stream, so that the branch's last token carries its ``Completion``.
     * ``observe`` runs under the request's lock, one branch's token at a time, in the order the
-      servers' streams arrive (not in lockstep as the local scheduler's steps): the rules that read
-      only a branch's own tokens (``decided``, ``answered``, ``confidence``) decide as they do
-      locally; the ``length`` rule's reference is the length of the branches that finished first in
-      time, which a server's queueing can change.
+      servers' streams arrive (not in lockstep as the local scheduler's steps). What the rules
+      decide from each branch's own tokens is what they decide locally: where ``answered`` ends a
+      branch, which branches ``confidence`` leaves out, the winner ``decided`` keeps. When they
+      act can differ (which tokens ``decided`` saves), and the ``length`` rule's reference is the
+      length of the branches that finished first in time, which a server's queueing can change.
     * A branch the monitor stops (or ``handle.cancel_branches`` names) has its connection closed at
       once, so the server stops generating it (vLLM, SGLang, ``rksc serve`` and ``transformers
       serve`` abort a request whose client has gone); its ``Completion`` holds what had arrived, with

@@ -12,8 +12,9 @@ The probe sends at most six requests of at most 16 tokens:
     3. three sampled requests sent together, two with one seed and one with the next: a server
        that honours ``seed`` per request answers the first two alike and the third differently. A
        server that ignores it, or seeds one generator that every request draws from in turn
-       (``transformers serve`` sets torch's global seed), answers the first two differently. When
-       all three agree (a model too sure of itself to sample differently) the probe cannot tell.
+       (``transformers serve`` sets torch's global seed), answers the first two differently; one
+       that refuses the field (4xx) does not honour it either. When all three agree (a model too
+       sure of itself to sample differently) the probe cannot tell.
 
 The chat endpoint is asked first (reasoning sends chat messages); a server without a chat template
 (4xx) is asked through ``/v1/completions``.
@@ -97,8 +98,11 @@ def _first_token(engine: ProbedEngine, prompt: Any) -> tuple[ProbeAnswer, bool]:
 def _honours_seed(engine: ProbedEngine, prompt: Any) -> bool | None:
     params = [SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed)
               for seed in (PROBE_SEED, PROBE_SEED, PROBE_SEED + 1)]
-    with concurrent.futures.ThreadPoolExecutor(len(params), thread_name_prefix="rksc-probe") as pool:  # together
-        texts = list(pool.map(lambda p: engine.probe(prompt, 1, p, count=False).text, params))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(params), thread_name_prefix="rksc-probe") as pool:  # together
+            texts = list(pool.map(lambda p: engine.probe(prompt, 1, p, count=False).text, params))
+    except ValueError:  # a 4xx: the server refuses ``seed``
+        return False
     if texts[0] == texts[1] == texts[2]:
         return None
     return texts[0] == texts[1]

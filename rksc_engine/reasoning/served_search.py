@@ -19,9 +19,10 @@ What differs:
     * RSBCM is not done: the server's cache is its own, so no ``annotate_cache``, no demotion of
       pruned branches (``demote_pruned`` has no effect) and no ``cache_bytes_trace``; a server's
       prefix cache still shares a parent's path among its children and their descendants.
-    * A step that ended on ``"stop"`` ended on the delimiter unless the server named another stop
-      string (``stop_reason``); a server that names none (``transformers serve``) and user stop
-      strings besides the delimiter cannot be told apart, so such a step is read as a step.
+    * A step that ended on ``"stop"`` is read as ending at the delimiter, and its path goes on: a
+      ``Completion`` does not say which stop string ended it (and ``transformers serve`` does not
+      say it at all), so a stop string of ``params.stop`` besides the delimiter ends a step here,
+      where locally it ends the path.
     * ``scorer="confidence"`` needs the server's log-probs, ``"judge"`` its top log-probs: a server
       without them refuses the scorer before anything is generated (pass a callable scorer).
     * A path longer than the server's context is the server's 400 (``ValueError``), not a final node.
@@ -233,8 +234,7 @@ class _TextSearch:
         stopped = self._stopped(completions, monitor)
         out = []
         for completion in completions:
-            # "stop" is the delimiter unless the server named another stop string, or cannot say and
-            # the caller gave some: then the step is read as a step (see the module docstring).
+            # "stop" is read as the delimiter (see the module docstring).
             at_delimiter = completion.finish_reason == "stop"
             is_final = (completion.finish_reason == "eos"
                         or (self.final_marker is not None and self.final_marker in completion.text))

@@ -175,7 +175,7 @@ def test_a_stream_that_breaks_off_fails_the_request_and_closes_the_other_branche
                           answer_extractor=first_char)
         with pytest.raises(ConnectionError, match="unfinished"):
             remote.generate(QUESTION, SamplingParams(max_new_tokens=600))
-    assert wait_until(lambda: engine.stats().running_requests == 0), "the other branches were left decoding"
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60), "the other branches were left decoding"
 
 
 def test_a_server_that_answers_fewer_choices_is_an_error_until_it_is_known_then_fanned_out(upstream):

@@ -299,13 +299,24 @@ def test_a_stopped_branch_is_closed_on_the_server_and_added_branches_are_seeded_
     assert [c.branch_index for c in completions] == [0, 1, 2, 3]
     stopped = completions[1]
     assert stopped.finish_reason == "cancelled" and stopped.num_generated_tokens == 5
-    assert wait_until(lambda: engine.stats().running_requests == 0), "the server kept decoding a closed branch"
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60), "the server kept decoding a closed branch"
     assert engine.stats().decode_tokens - before < 3000, "the stopped branch did not run to max_new_tokens"
     local = engine.generate_branches(QUESTION, 4, params)
     for i in (0, 2, 3):
         assert completions[i].text == local[i].text, f"branch {i} is seeded seed + {i}, as locally"
     assert completions[1].text == local[1].text[:len(completions[1].text)]
     assert max(c.num_cached_tokens for c in completions[2:]) > 0, "the server's prefix cache served the prompt"
+
+
+def test_rksc_serves_prefix_cache_computes_the_prompt_of_a_fanned_out_request_once(engine, rksc_url):
+    prompt = "A prompt no other test sends, long enough to be worth caching. " * 4
+    before = engine.stats().prompt_tokens_computed
+    with RemoteEngine(rksc_url, model="rksc") as remote:
+        completions = remote.submit(prompt, 6, SamplingParams(temperature=0.8, max_new_tokens=4, seed=1),
+                                    monitor=StopAfter(index=9, tokens=1)).result(timeout=60)
+    computed = engine.stats().prompt_tokens_computed - before
+    assert computed < 2 * completions[0].num_prompt_tokens, f"six requests of one prompt computed {computed} tokens"
+    assert sum(c.num_cached_tokens > 0 for c in completions) == 5, "each Completion reports the server's cached tokens"
 
 
 def test_a_streamed_monitored_request_streams_each_branch_and_ends_it_with_its_completion(rksc_url):
@@ -341,7 +352,7 @@ def test_cancel_branches_closes_that_branch_and_keeps_the_others(engine, rksc_ur
     assert (completions[0].finish_reason, completions[0].num_generated_tokens) == ("cancelled", 3)
     assert completions[0].text == local[0].text[:3]
     assert (completions[1].finish_reason, completions[1].text) == (local[1].finish_reason, local[1].text)
-    assert wait_until(lambda: engine.stats().running_requests == 0), "the server kept decoding the closed branch"
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60), "the server kept decoding the closed branch"
 
 
 def test_a_monitor_that_raises_fails_its_request_and_closes_every_branch(engine, rksc_url):
@@ -352,7 +363,7 @@ def test_a_monitor_that_raises_fails_its_request_and_closes_every_branch(engine,
     with RemoteEngine(rksc_url, model="rksc") as remote:
         with pytest.raises(RuntimeError, match="broken monitor"):
             remote.submit(QUESTION, 3, SamplingParams(max_new_tokens=3000), monitor=Broken()).result(timeout=60)
-    assert wait_until(lambda: engine.stats().running_requests == 0)
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60)
 
 
 def test_the_monitor_sees_every_token_with_its_log_prob_and_the_last_one_carries_the_completion(engine, rksc_url):
