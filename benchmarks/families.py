@@ -26,8 +26,14 @@ from transformers import GenerationConfig
 
 from rksc_bench import harness
 from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
-from rksc_engine import RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 
+# rksc's arms: the engine's settings for each.
+ENGINE_ARMS = {
+    "rksc": EngineConfig(),
+    "static": EngineConfig(decode_attention="static_rows"),
+    "compiled": EngineConfig(decode_capture="compile"),
+}
 REPEATED_PROMPT = ("System: you are a careful assistant. Use the context.\nContext: "
                    + "the river runs north past the old mill and the stone bridge. " * 7 + "\nQ: which way? A:")
 
@@ -37,7 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--families", nargs="*", default=None, help="family names (default: all)")
     parser.add_max_new_tokens(32, "tokens per request")
     parser.add_repeats(2)
-    return parser.parse_args(argv)
+    parser.add_argument("--arms", default="rksc,static,generate_batch,generate",
+                        help="comma-separated, of rksc (the default layout), static (decode_attention='static_rows'), "
+                             "compiled (decode_capture='compile'; each family compiles once, slow), generate_batch, "
+                             "generate (default rksc,static,generate_batch,generate)")
+    args = parser.parse_args(argv)
+    args.arms = args.arms.split(",")
+    unknown = set(args.arms) - set(ENGINE_ARMS) - {"generate_batch", "generate"}
+    if unknown or "rksc" not in args.arms:
+        parser.error(f"--arms must include rksc and be of rksc, static, compiled, generate_batch, generate; got {args.arms}")
+    return args
 
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> tuple[int, ...]:
@@ -66,10 +81,14 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
                               pad_token_id=eos[0])
 
-    def run_rksc() -> int:
-        engine.clear_cache()
-        handles = [engine.submit(list(p), 1, greedy) for p in prompts]
-        return sum(len(h.result()[0].token_ids) for h in handles)
+    def rksc_arm(on: RKSCEngine):
+        def run() -> int:
+            on.clear_cache()
+            handles = [on.submit(list(p), 1, greedy) for p in prompts]
+            return sum(len(h.result()[0].token_ids) for h in handles)
+        return run
+
+    run_rksc = rksc_arm(engine)
 
     def run_hf() -> int:
         with torch.inference_mode():
@@ -97,6 +116,10 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
     refusal = engine.stats().batched_decode_refusal
     batched = not refusal
     arms = {"rksc": run_rksc, "generate_batch": run_hf, "generate": run_generate}
+    for arm_name in ("static", "compiled"):
+        if arm_name in args.arms:
+            arms[arm_name] = rksc_arm(RKSCEngine(model, tokenizer, ENGINE_ARMS[arm_name]))
+    arms = {arm_name: arm for arm_name, arm in arms.items() if arm_name in args.arms}
     errors: dict[str, str] = {}
     for arm_name, arm in list(arms.items()):  # warm up, untimed; an arm that fails is reported, not timed
         try:
@@ -112,6 +135,8 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
         "prefix_cache_refusal": engine.stats().prefix_cache_refusal, "tok_s": tok_s, "errors": errors,
         "ratio": tok_s["rksc"] / tok_s["generate_batch"] if "generate_batch" in tok_s else None,
         "ratio_generate": tok_s["rksc"] / tok_s["generate"] if "generate" in tok_s else None,
+        "ratios_to_generate": {arm_name: value / tok_s["generate"] for arm_name, value in tok_s.items()
+                               if "generate" in tok_s and arm_name in ENGINE_ARMS},
     }
 
 
@@ -122,9 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = char_tokenizer()
     names = args.families or [f.name for f in FAMILIES]
     rows = []
+    extra = [arm for arm in ("static", "compiled") if arm in args.arms]
     print("| family | attention | exact | reuse of a repeated prompt | batched decode | rksc tok/s "
-          "| generate_batch tok/s | rksc / generate_batch | generate tok/s | rksc / generate |\n"
-          "|---|---|---|---:|---|---:|---:|---:|---:|---:|")
+          "| generate_batch tok/s | rksc / generate_batch | generate tok/s | rksc / generate |"
+          + "".join(f" {arm} tok/s | {arm} / generate |" for arm in extra) + "\n"
+          "|---|---|---|---:|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(extra))
     for name in names:
         attention = next(f.attention for f in FAMILIES if f.name == name)
         row = measure(name, tokenizer, args)
@@ -139,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {attention} | {'yes' if row['exact'] else 'NO'} "
               f"| {row['reused_tokens']}/{row['prompt_tokens']} | {'yes' if row['batched_decode'] else 'no'} "
               f"| {row['tok_s'].get('rksc', float('nan')):.0f} | {cell('generate_batch', 'ratio')} "
-              f"| {cell('generate', 'ratio_generate')} |", flush=True)
+              f"| {cell('generate', 'ratio_generate')} |"
+              + "".join(f" {row['tok_s'][arm]:.0f} | {row['ratios_to_generate'].get(arm, float('nan')):.1f}x |"
+                        if arm in row["tok_s"] else " fails | n/a |" for arm in extra), flush=True)
     for row in rows:
         for arm_name, error in row["errors"].items():
             print(f"{row['family']}: {arm_name} failed: {error}", file=sys.stderr)

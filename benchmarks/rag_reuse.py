@@ -1,7 +1,7 @@
 """Benchmark: retrieved-context reuse (``ASKSConfig(reuse_chunks=True)``) against token-exact caching
 and full recompute on a RAG workload, arms side by side in one run.
 
-Workload: the seeded corpus of ``rksc_engine.rag_workload`` (``--corpus`` invented-town paragraphs of
+Workload: the seeded corpus of ``rksc_engine.evaluation.rag_facts`` (``--corpus`` invented-town paragraphs of
 60-100 tokens) and ``--queries`` questions, each with the relevant paragraph and ``--chunks - 1``
 others in shuffled order; or ``--data`` (JSONL of ``{chunks, question, answer}``). Queries arrive
 one at a time, as in a RAG service; every arm sees them in the same order, interleaved query by

@@ -1,6 +1,6 @@
 """Diagnostic: how far reused chunk KV is from full recompute, layer by layer.
 
-For a few queries of the RAG workload (``rksc_engine.rag_workload``), the prompt is prefilled with
+For a few queries of the RAG workload (``rksc_engine.evaluation.rag_facts``), the prompt is prefilled with
 retrieved-context reuse (after a first query has cached the chunks) and, separately, exactly; the
 table gives the mean relative KV deviation ``||kv_reused - kv_exact|| / ||kv_exact||`` over the
 prompt's chunk tokens at a few depths, and the largest last-position logit difference, for a sweep

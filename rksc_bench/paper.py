@@ -35,7 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rksc_bench.config import INSTRUCTION_WORDINGS, BenchConfig
-from rksc_bench.report import ArmRecord, BenchReport, render_markdown
+from rksc_bench.report import ArmRecord, ArmSetup, BenchReport, render_markdown
 from rksc_engine import RKSCEngine
 from rksc_engine.config import EngineConfig, RSBCMConfig, SamplingParams
 from rksc_engine.evaluation.workloads import (
@@ -50,7 +50,7 @@ from rksc_engine.evaluation.workloads import (
 )
 from rksc_engine.reasoning.answers import extract_gsm8k_answer
 from rksc_engine.reasoning.cgee import CGEEConfig
-from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
+from rksc_engine.reasoning.early_stop import EARLY_STOP_RULES, EarlyStopConfig, EarlyStopMonitor, resolve_early_stop
 from rksc_engine.reasoning.few_shot import Problem, few_shot_messages
 from rksc_engine.reasoning.self_consistency import (
     BranchAnswer,
@@ -103,9 +103,20 @@ class _EngineArm:
         self.name, self.engine, self.share_prefill, self.cgee, self.extract = name, engine, share_prefill, cgee, extract
         self.early_stop = early_stop
 
+    @property
+    def setup(self) -> ArmSetup:
+        """What this arm runs, read from its engine's configuration (an older build may lack a part)."""
+        config = self.engine.config
+        cache = getattr(config, "rsbcm", None) or getattr(config, "prefix_cache", None)
+        asks = getattr(config, "asks", None)
+        return ArmSetup(
+            shared_prefill=self.share_prefill, prefix_cache=bool(getattr(cache, "enabled", False)),
+            asks=bool(getattr(asks, "enabled", False)), cgee=self.cgee.skip_enabled or self.cgee.exit_enabled,
+            early_stop=_rules_on(self.early_stop))
+
     def run(self, q: int, problem: Problem, shots: list[Problem], config: BenchConfig) -> ArmRecord:
         engine = self.engine
-        before = engine.stats().prompt_tokens_computed
+        before = engine.stats()
         start = time.perf_counter()
         completions, branches = [], []
         per_wording = config.branches // config.ensemble
@@ -125,11 +136,12 @@ class _EngineArm:
         judge = LLMJudgeVerifier(engine, system_prompt=JUDGE_PROMPTS[config.answer_format])
         answer, report, _ = verify_and_pick(problem.question, branches, judge, self.cgee)
         wall = time.perf_counter() - start
+        after = engine.stats()
         return ArmRecord(
-            self.name, q, wall, engine.stats().prompt_tokens_computed - before, answer, problem.answer,
+            self.name, q, wall, after.prompt_tokens_computed - before.prompt_tokens_computed, answer, problem.answer,
             solution_steps(problem), verified=bool(report.scores), skipped=report.skipped,
             exit_layers=[x for x in report.exit_layers if x is not None], num_layers=report.num_layers,
-            level=_level(problem),
+            level=_level(problem), asks_reused_tokens=after.asks_reused_tokens - before.asks_reused_tokens,
         )
 
 
@@ -193,6 +205,14 @@ class _LangChainHFArm:
         wall = time.perf_counter() - start
         return ArmRecord(self.name, q, wall, self.prompt_tokens, answer, problem.answer, solution_steps(problem),
                          verified=bool(report.scores), skipped=False, level=_level(problem))
+
+
+def _rules_on(early_stop: EarlyStopConfig | None) -> str | None:
+    """The early-stop rules ``early_stop`` runs, comma-joined (``"decided"``); None when off."""
+    if early_stop is None:
+        return None
+    rules = [rule for rule in EARLY_STOP_RULES if getattr(early_stop, rule)]
+    return ", ".join(rules) or None
 
 
 def _params(config: BenchConfig, seed: int) -> SamplingParams:
@@ -286,7 +306,8 @@ def run_bench(config: BenchConfig, *, model_and_tokenizer: tuple[Any, Any] | Non
     bar.close()
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype)}
-    return BenchReport(config, records, unavailable, machine, tree_bytes, tree_budget)
+    setups = {arm.name: arm.setup for arm in arms if isinstance(arm, _EngineArm)}
+    return BenchReport(config, records, unavailable, machine, tree_bytes, tree_budget, setups)
 
 
 def _tree_search_trace(config: BenchConfig, model: Any, tokenizer: Any, shots: list[Problem],

@@ -1,6 +1,7 @@
 """``rksc ask``: answer a question with self-consistency over ``--branches`` reasoning branches
 that share one computed prompt; ``--early-stop`` picks when branches stop early (default ``decided``:
-once they cannot change the vote's winner), and the output says what that saved. ``--server URL``
+once they cannot change the vote's winner), and the output says what that saved: at most the decode
+budget the cancelled branches had left, and that of the branches never launched. ``--server URL``
 reasons over a model an OpenAI-compatible server runs (vLLM, SGLang, llama.cpp, Ollama, ``transformers
 serve``, ``rksc serve``) through a ``RemoteEngine``, with the same rules.
 
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 from rksc_engine.config import SamplingParams
 from rksc_engine.evaluation.workloads import load_gsm8k_jsonl, synthetic_problems
@@ -23,6 +25,7 @@ from rksc_engine.reasoning.cgee import CGEEConfig
 from rksc_engine.reasoning.early_stop import EARLY_STOP_RULES
 from rksc_engine.reasoning.few_shot import few_shot_messages
 from rksc_engine.reasoning.self_consistency import ReasoningResult
+from rksc_engine.results import EngineStats
 
 
 def build_engine(args: argparse.Namespace) -> object:
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, stop=("<|im_end|>",))
     cgee = CGEEConfig.off() if args.no_cgee else None  # None: the engine's EngineConfig.cgee defaults
+    before = engine.stats()
     t0 = time.perf_counter()
     early_stop = None if args.early_stop == "off" else args.early_stop
     result = engine.reason(args.question, n=args.branches, params=params, prompt=messages, cgee=cgee,
@@ -64,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
     branches = result.branches
     winner, votes = result.answer, result.votes
     stats = engine.stats()
+    served = args.server is not None
+    # Over a server every branch is a request that reads the prompt (its prefix cache may reuse it):
+    # the split of one prefill forked to every branch does not hold, so the server's totals are shown.
+    prompts = ServerPromptTokens.of_call(before, stats) if served else PromptTokens.of_call(result, before, stats)
+    saved = budget_left(result, args.branches, params.max_new_tokens)
     if args.json:
         print(json.dumps({
             "answer": winner, "votes": dict(votes),
@@ -71,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                          for b in branches],
             "verification": result.verification.summary(),
             "early_stop": result.early_stop.as_dict() if result.early_stop is not None else None,
-            "server_limits": list(result.server_limits),
+            "early_stop_saved_tokens_at_most": saved, "prompt_tokens": asdict(prompts),
+            "cgee_levels": list(result.cgee_levels), "server_limits": list(result.server_limits),
             "stats": stats.as_dict(), "load_s": load_s, "generate_s": gen_s,
         }, indent=2))
         return 0
@@ -86,25 +96,81 @@ def run(args: argparse.Namespace) -> int:
           f"lead={result.vote_summary.lead:.2f})")
     print(result.verification.summary())
     print(f"Answer: {winner}  votes={dict(votes)}")
-    print(_early_stop_line(args.early_stop, result))
+    print(_early_stop_line(args.early_stop, result, args.branches, saved))
     for line in result.server_limits:
         print(f"Server: {line}")
-    print(f"Prompt tokens computed: {stats.prompt_tokens_computed} (once for all {args.branches} branches; "
-          f"reused from cache: {stats.prompt_tokens_reused}) | decode tokens: {stats.decode_tokens} | "
-          f"cache: {stats.cache_bytes / 2**20:.1f} MiB | generate: {gen_s:.1f}s (load {load_s:.1f}s)")
+    if isinstance(prompts, ServerPromptTokens):
+        print(f"Prompt tokens (the server's usage): {prompts.computed} computed, {prompts.reused} reused from its "
+              f"prefix cache, over {prompts.requests} requests (branches and judge)")
+    else:
+        print(f"Branches' prompt: {prompts.branches_computed} tokens computed once for all {len(result.completions)} "
+              f"branches (reused from cache: {prompts.branches_reused}) | verifier's prompts: "
+              f"{prompts.verifier_computed} tokens computed (reused from cache: {prompts.verifier_reused})")
+    print(f"Decode tokens: {stats.decode_tokens - before.decode_tokens} | cache: {stats.cache_bytes / 2**20:.1f} MiB | "
+          f"generate: {gen_s:.1f}s (load {load_s:.1f}s)")
     return 0
 
 
-def _early_stop_line(rule: str, result: ReasoningResult) -> str:
+@dataclass(frozen=True)
+class PromptTokens:
+    """The prompt tokens one ``reason`` call computed and reused, the branches' shared prompt apart
+    from the verifier's prompts (which re-read the branches' prompt and add each candidate)."""
+
+    branches_computed: int
+    branches_reused: int
+    verifier_computed: int
+    verifier_reused: int
+
+    @classmethod
+    def of_call(cls, result: ReasoningResult, before: EngineStats, after: EngineStats) -> PromptTokens:
+        """Split the engine's counters over the call (``after`` less ``before``): the branches' prompt
+        is what their completions say (one prefill, forked to every branch); the verifier's is the rest."""
+        first = result.completions[0]
+        branches_reused = first.num_cached_tokens
+        branches_computed = first.num_prompt_tokens - branches_reused
+        computed = after.prompt_tokens_computed - before.prompt_tokens_computed
+        reused = after.prompt_tokens_reused - before.prompt_tokens_reused
+        return cls(branches_computed, branches_reused, max(computed - branches_computed, 0),
+                   max(reused - branches_reused, 0))
+
+
+@dataclass(frozen=True)
+class ServerPromptTokens:
+    """The prompt tokens one ``reason`` call over a server read, from the ``usage`` of its requests
+    (every branch and every judge prompt is a request of its own)."""
+
+    requests: int
+    computed: int
+    reused: int
+
+    @classmethod
+    def of_call(cls, before: EngineStats, after: EngineStats) -> ServerPromptTokens:
+        return cls(after.requests - before.requests, after.prompt_tokens_computed - before.prompt_tokens_computed,
+                   after.prompt_tokens_reused - before.prompt_tokens_reused)
+
+
+def budget_left(result: ReasoningResult, n: int, max_new_tokens: int) -> int:
+    """The decode tokens early stop can have saved, at most: what each cancelled branch had left of
+    ``max_new_tokens``, plus the whole budget of each of the ``n`` branches never launched. An upper
+    bound, not a count: a cancelled branch might have ended sooner on its own."""
+    cancelled = sum(max_new_tokens - c.num_generated_tokens for c in result.completions
+                    if c.finish_reason == "cancelled")
+    return cancelled + (n - len(result.completions)) * max_new_tokens
+
+
+def _early_stop_line(rule: str, result: ReasoningResult, n: int, saved: int) -> str:
     """What early stopping did, in one line: branches launched and cancelled, tokens the branches
-    decoded, and the rule that ended the request early, if one did."""
+    decoded, the most it can have saved, and the rule that ended the request early, if one did."""
     report = result.early_stop
     if report is None:
         decoded = sum(c.num_generated_tokens for c in result.completions)
         return f"Early stop: off (every branch ran to its end; {decoded} tokens decoded)"
     ended = f"; request stopped by {report.stopped_request_by}" if report.stopped_request_by else ""
+    unlaunched = n - report.branches_launched
+    whose = "the cancelled branches" + (f" and the {unlaunched} never launched" if unlaunched else "")
     return (f"Early stop ({rule}): {report.branches_launched} branches launched, {report.branches_cancelled} "
-            f"cancelled, {report.decode_tokens} tokens decoded{ended}")
+            f"cancelled, {report.decode_tokens} tokens decoded, at most {saved} tokens saved "
+            f"(the budget {whose} had left){ended}")
 
 
 ASK_HELP = "answer a question by self-consistency over N branches"

@@ -21,6 +21,7 @@ from .protocol import Engine, LocalEngine, ServedEngine
 from .reasoning.tree_search import SearchNode, SearchResult
 from .remote import RemoteEngine, RemoteServerError
 from .results import ASKSDecision, Completion, EngineStats, ServerCapabilities, StreamChunk
+from .runtime.cancel import CancelToken
 from .runtime.handle import RequestCancelled, RequestHandle
 from .runtime.loading import DefaultModelNotInstalled
 
@@ -28,6 +29,7 @@ __all__ = [
     "ASKSConfig",
     "ASKSDecision",
     "CGEEConfig",
+    "CancelToken",
     "Completion",
     "DefaultModelNotInstalled",
     "Engine",

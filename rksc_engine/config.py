@@ -439,8 +439,9 @@ class SchedulerConfig:
         check_type("scheduler.mixed_prefill", self.mixed_prefill, bool)
 
 
-DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "dynamic_cache")
+DECODE_ATTENTION_MODES = ("auto", "shared_prefix", "static_rows", "dynamic_cache")
 DECODE_MATMUL_MODES = ("auto", "linear")
+DECODE_CAPTURE_MODES = ("off", "compile")
 
 
 @dataclass(frozen=True)
@@ -456,8 +457,14 @@ class EngineConfig:
             one shared copy of the prompt's KV with split prefix/suffix attention
             (``rksc_engine.kvcache.shared_prefix``) where a one-time numerical probe shows the model supports
             it, else ``"dynamic_cache"``; ``"shared_prefix"``: the same, but an unsupported model
-            raises instead of falling back; ``"dynamic_cache"``: the plain path, the prompt's KV
-            copied once per branch in a ``transformers`` ``DynamicCache``.
+            raises instead of falling back; ``"static_rows"``: every running row's whole KV (its
+            prompt copied in) in one fixed-shape pool, and one attention call per layer for all rows
+            (``rksc_engine.kvcache.static_rows``): a step's host work does not grow with the requests,
+            and the step can be compiled (``decode_capture``); each branch reads its own copy of the
+            prompt, so a memory-bound step (a CPU, a long shared prompt) is slower than with
+            ``"shared_prefix"``; an unsupported model (recurrent layers) raises. ``"dynamic_cache"``:
+            the plain path, the prompt's KV copied once per branch in a ``transformers``
+            ``DynamicCache``.
         asks: ASKS settings (off by default): KV reuse across prompts that differ in wording.
         scheduler: How concurrent requests are batched.
         decode_matmul: How a decode step's linear layers multiply. ``"auto"`` (default): on a CPU,
@@ -465,6 +472,11 @@ class EngineConfig:
             which the CPU's BLAS runs several times faster than ``linear``'s ``x @ W.T`` at a few rows
             (``rksc_engine.runtime.weight_left_linear``); elsewhere, and on a GPU, the model's own
             layers. ``"linear"``: always the model's own layers.
+        decode_capture: How a static-rows decode step runs. ``"off"`` (default): eagerly.
+            ``"compile"``: through ``torch.compile`` (inductor), built once per shape the step meets
+            (the first steps of each new batch or length bucket wait for it: seconds for a tiny
+            model, a minute or more for a 30-layer one on a CPU). Implies
+            ``decode_attention="static_rows"`` when that is ``"auto"``; refused with another layout.
     """
 
     rsbcm: RSBCMConfig = field(default_factory=RSBCMConfig)
@@ -475,6 +487,7 @@ class EngineConfig:
     asks: ASKSConfig = field(default_factory=ASKSConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     decode_matmul: str = "auto"
+    decode_capture: str = "off"
 
     def __post_init__(self) -> None:
         check_type("rsbcm", self.rsbcm, RSBCMConfig)
@@ -497,3 +510,12 @@ class EngineConfig:
         check_type("decode_matmul", self.decode_matmul, str)
         if self.decode_matmul not in DECODE_MATMUL_MODES:
             raise ValueError(f"decode_matmul must be one of {list(DECODE_MATMUL_MODES)}, got {self.decode_matmul!r}")
+        check_type("decode_capture", self.decode_capture, str)
+        if self.decode_capture not in DECODE_CAPTURE_MODES:
+            raise ValueError(f"decode_capture must be one of {list(DECODE_CAPTURE_MODES)}, got {self.decode_capture!r}")
+        if self.decode_capture != "off":
+            if self.decode_attention == "auto":
+                object.__setattr__(self, "decode_attention", "static_rows")
+            elif self.decode_attention != "static_rows":
+                raise ValueError(f"decode_capture={self.decode_capture!r} needs decode_attention='static_rows' "
+                                 f"(or 'auto'), got {self.decode_attention!r}")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, SamplingParams, check_request_shape
+from .kvcache.memory import available_memory_bytes, format_bytes
 from .kvcache.radix import RadixPrefixCache
 from .kvcache.shared_prefix import initial_suffix_capacity
 from .kvcache.state_snapshots import StateSnapshots
@@ -41,8 +42,10 @@ from .runtime.cpu_threads import release_openmp_workers
 from .runtime.handle import BranchMonitor, LogitsProcessor, RequestHandle, astream_chunks, stream_chunks
 from .runtime.loading import ensure_default_model, load_model_dir, resolve_device, resolve_dtype
 from .runtime.model_runner import ModelRunner
-from .runtime.prefill import CachedPrefix, Prefilled, Prefiller
+from .runtime.prefill import Prefiller
+from .runtime.prefix_access import CachedPrefix, Prefilled
 from .runtime.prompts import ChatMessage, Prompt, PromptEncoder
+from .runtime.sampling import decode_bytes_per_row
 from .runtime.scheduler import Scheduler
 from .runtime.stats import Counters
 
@@ -195,7 +198,9 @@ class RKSCEngine:
 
     def validate_request(self, prompt_ids: list[int], n: int, params: SamplingParams | None) -> SamplingParams:
         """Check a request before anything runs: ``params`` (default ``SamplingParams()``), ``n`` and the
-        prompt's length against the context window. Returns the params to use."""
+        prompt's length against the context window, and whether ``n`` branches can fit: their KV in
+        the cache budget, and their KV, logits and sampling buffers in the memory the device has
+        available now. Returns the params to use."""
         params = check_request_shape(n, params)
         window = self.context_window
         if len(prompt_ids) >= window:
@@ -211,12 +216,31 @@ class RKSCEngine:
         if n * per_branch > budget:
             most = max(1, budget // per_branch)
             raise ValueError(
-                f"n={n} branches of up to {max_new} new tokens need {n * per_branch / 2**20:,.0f} MiB of KV "
+                f"n={n} branches of up to {max_new} new tokens need {format_bytes(n * per_branch)} of KV "
                 f"({self.kv_bytes_per_token:,} bytes per token), more than the cache budget of "
-                f"{budget / 2**20:,.0f} MiB (rsbcm.cache_budget_mb): n can be at most {most} here; lower n or "
+                f"{format_bytes(budget)} (rsbcm.cache_budget_mb): n can be at most {most} here; lower n or "
                 f"max_new_tokens, or raise rsbcm.cache_budget_mb"
             )
+        self._check_branch_memory("n", n, per_branch)
         return params
+
+    def _check_branch_memory(self, name: str, branches: int, kv_per_branch: int) -> None:
+        """``ValueError`` naming ``name`` when ``branches`` decoding rows would need more memory than
+        the device has available: each row's first KV buffer, and its logits and sampling buffers
+        over the whole vocabulary (``decode_bytes_per_row``), which every step of the request holds."""
+        vocab_size = self._prompts.vocab_size
+        per_branch = decode_bytes_per_row(vocab_size, self.dtype) + kv_per_branch
+        need = branches * per_branch
+        available = available_memory_bytes(self.device)
+        if available is None or need <= available:
+            return
+        most = max(1, available // per_branch)
+        raise ValueError(
+            f"{name}={branches} branches need about {format_bytes(need)} of memory on {self.device.type} "
+            f"({format_bytes(per_branch)} a branch: its logits and sampling buffers over a vocabulary of "
+            f"{vocab_size:,} entries at {str(self.dtype).removeprefix('torch.')}, and its KV), more than the "
+            f"{format_bytes(available)} available there now: {name} can be at most {most}; lower {name}"
+        )
 
     # -- public generation ----------------------------------------------------------------------
     def submit(
@@ -234,7 +258,9 @@ class RKSCEngine:
 
         The scheduler batches it with every other running request (one forward decodes all their
         branches); the prompt is prefilled once, its longest cached prefix served by the radix cache.
-        Bad input raises here, before anything is queued or counted.
+        Bad input raises here, before anything is queued or counted; a text whose length in
+        characters alone proves it longer than the context window is refused before it is
+        tokenized (``runtime.prompt_bound``), so a megabyte of text costs no seconds of tokenizing.
 
         Args:
             prompt: A string, a list of chat messages, or token ids.
@@ -253,7 +279,8 @@ class RKSCEngine:
         Returns:
             A ``RequestHandle``: ``.result()``, iterate it, ``await`` it, or ``.cancel()`` it.
         """
-        prompt_ids = self.encode(prompt)
+        # A text that certainly overflows the context window is refused before it is tokenized.
+        prompt_ids = self._prompts.encode(prompt, self.context_window)
         params = self.validate_request(prompt_ids, n, params)
         if logits_processor is not None and not callable(logits_processor):
             raise TypeError(f"logits_processor must be callable, got {type(logits_processor).__name__}")
@@ -269,16 +296,19 @@ class RKSCEngine:
             raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
         if max_branches > n:
             check_request_shape(max_branches, params)  # the added branches obey the same bounds
+            max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
+            self._check_branch_memory("max_branches", max_branches,
+                                      initial_suffix_capacity(max_new) * self.kv_bytes_per_token)
             if monitor is None:
                 raise ValueError("max_branches > n needs a monitor, which is what adds branches")
         return self.scheduler.submit(prompt_ids, n, params, stream=stream, logits_processor=logits_processor,
-                                      segments=self._prompts.segments(prompt, prompt_ids), monitor=monitor,
+                                      context_spans=self._prompts.context_spans(prompt, prompt_ids), monitor=monitor,
                                       max_branches=max_branches)
 
     def prompt_segments(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[tuple[int, int], ...] | None:
         """Token spans tiling ``prompt_ids`` cut at ``config.asks.chunk_separator``, for retrieved-context
-        reuse; None when it is off or the prompt has no text to cut (``PromptEncoder.segments``)."""
-        return self._prompts.segments(prompt, prompt_ids)
+        reuse; None when it is off or the prompt has no text to cut (``PromptEncoder.context_spans``)."""
+        return self._prompts.context_spans(prompt, prompt_ids)
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""
@@ -300,7 +330,7 @@ class RKSCEngine:
     def _submit_all(self, prompts: Sequence[Prompt], n: int, params: SamplingParams | None) -> list[RequestHandle]:
         if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts")
-        encoded = [self.encode(p) for p in prompts]
+        encoded = [self._prompts.encode(p, self.context_window) for p in prompts]
         checked = [self.validate_request(ids, n, params) for ids in encoded]
         return [self.scheduler.submit(ids, n, p, stream=False, logits_processor=None) for ids, p in zip(encoded, checked)]
 
@@ -428,7 +458,11 @@ class RKSCEngine:
         ``Verifier`` or ``fn(question, candidates) -> scores``), ``cgee`` (``CGEEConfig``; default
         ``self.config.cgee``), ``early_stop`` (``"decided"``, the exact default: running branches are
         cancelled once they cannot change the vote's winner; ``"answered"``, ``"adaptive"``,
-        ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end).
+        ``"confidence"``, an ``EarlyStopConfig``, or None for every branch to its end), ``cancel`` (a
+        ``CancelToken``: cancelling it stops the call with ``RequestCancelled``, its branches at once,
+        or before the verifier pass), ``vote`` (``"exact"``, the default; ``"cluster"`` to group
+        equivalent free-text answers before counting, e.g. with
+        ``answer_extractor=rksc_engine.reasoning.answer_key``; or a ``VoteConfig``).
 
         Returns:
             A ``ReasoningResult`` with the answer, votes, branches, ``VerificationReport`` and
@@ -449,7 +483,9 @@ class RKSCEngine:
         """Beam search over reasoning steps, sharing each parent's KV with its children, inside the
         RSBCM cache budget; see ``rksc_engine.reasoning.tree_search`` for the keyword args
         (``breadth``, ``depth``, ``beam``, ``step_delimiter``, ``scorer``, ``params``, ``early_stop``
-        to end a node's children that run far longer than their finished siblings, ...).
+        to end a node's children that run far longer than their finished siblings, ``cancel`` (a
+        ``CancelToken``: the search stops before its next level with ``RequestCancelled``, its
+        requests in flight cancelled at once), ...).
 
         Returns:
             A ``SearchResult`` with the best path, its answer, and the scored tree.

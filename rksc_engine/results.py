@@ -203,7 +203,11 @@ class BranchControl:
 
 @dataclass
 class EngineStats:
-    """Cumulative counters since the engine was built (or ``reset_stats``)."""
+    """Cumulative counters since the engine was built (or ``reset_stats``).
+
+    ``str()`` (what ``print`` shows) is a readable summary grouped by what the counters measure, one
+    group a line; ``repr()`` stays the dataclass's one line of every field, for debugging.
+    """
 
     requests: int = 0
     prompt_tokens_computed: int = 0
@@ -249,6 +253,53 @@ class EngineStats:
         data = asdict(self)
         data["prompt_reuse_rate"] = self.prompt_reuse_rate
         return data
+
+    def __str__(self) -> str:
+        """The counters grouped a line each: requests, prompt tokens, decode, the prefix cache,
+        running KV, and (only when they did anything or are set) ASKS, retrieved-chunk reuse,
+        out-of-memory retries, refusals and extra counters."""
+        lines = [
+            "EngineStats",
+            f"  requests: {self.requests:,} (running {self.running_requests:,}, waiting {self.waiting_requests:,})",
+            f"  prompt tokens: {self.prompt_tokens_computed:,} computed, {self.prompt_tokens_reused:,} reused "
+            f"({self.prompt_reuse_rate:.1%} reused); prefills: {self.prefills:,} "
+            f"(cache hits {self.cache_hits:,}, misses {self.cache_misses:,})",
+            f"  decode: {self.decode_tokens:,} tokens; most branch rows in one forward: {self.peak_batch_rows:,}",
+            f"  prefix cache: {_format_bytes(self.cache_bytes)} of {_format_bytes(self.cache_budget_bytes)} budget "
+            f"(peak {_format_bytes(self.cache_peak_bytes)}), {self.cache_tokens:,} tokens; "
+            f"{self.cache_evicted_tokens:,} evicted, {self.cache_window_freed_tokens:,} freed outside sliding windows",
+            f"  running KV: {_format_bytes(self.running_kv_bytes)} (peak {_format_bytes(self.peak_running_kv_bytes)})",
+        ]
+        if self.asks_checks or self.asks_reuses or self.asks_reused_tokens:
+            lines.append(f"  ASKS: {self.asks_reuses:,} of {self.asks_checks:,} checked prompts reused; "
+                         f"{self.asks_reused_tokens:,} tokens reused, {self.asks_recomputed_tokens:,} recomputed, "
+                         f"{self.asks_check_tokens:,} computed to compare")
+        if self.chunk_reuse_prompts or self.chunk_tokens_cached:
+            lines.append(f"  retrieved chunks: {self.chunks_reused:,} reused in {self.chunk_reuse_prompts:,} prompts; "
+                         f"{self.chunk_tokens_cached:,} tokens cached, {self.chunk_recomputed_tokens:,} recomputed, "
+                         f"{self.chunk_probe_tokens:,} probed")
+        if self.oom_retries:
+            lines.append(f"  out-of-memory retries: {self.oom_retries:,}")
+        if self.prefix_cache_refusal:
+            lines.append(f"  prefix cache off: {self.prefix_cache_refusal}")
+        if self.batched_decode_refusal:
+            lines.append(f"  batched decode off: {self.batched_decode_refusal}")
+        if self.extra:
+            lines.append("  extra: " + ", ".join(f"{key}={value:,}" if isinstance(value, int) else f"{key}={value}"
+                                                 for key, value in self.extra.items()))
+        return "\n".join(lines)
+
+
+def _format_bytes(num_bytes: int) -> str:
+    """``num_bytes`` in the largest binary unit that keeps a whole part (``147.0 KiB``), bytes below 1 KiB."""
+    if abs(num_bytes) < 1024:
+        return f"{num_bytes:,} B"
+    value = float(num_bytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,21 @@ Promises:
       JSON answer too) is cancelled as soon as the server reports the connection gone. The scheduler
       drops the rows and frees their KV. Blocking engine work (tool turns, JSON answers, tree
       searches) runs on the server's own bounded pools (``rksc_serve.workers``): the request stops
-      waiting at once, a queued call never runs, and a tool turn or JSON answer has its engine
-      requests cancelled and submits no more. A tree search has no cancel: it runs to its end on its
-      pool.
-    * The event loop never waits for the engine: it submits requests and awaits their handles, reads
+      waiting at once, a queued call never runs, a tool turn or JSON answer has its engine requests
+      cancelled and submits no more, and a tree search or a reasoning call has its ``CancelToken``
+      cancelled: its requests in flight end at the next step, and it stops before its next level
+      or verifier pass.
+    * A client that goes away while still sending its body is answered 499 (counted so in
+      ``/metrics``) and logged as one line at info level: its disconnect is not a server error.
+    * Shutdown is bounded: when the app stops (its lifespan ends), every pool drops its queue and
+      cancels its running calls, and waits for them a few seconds at most; the pools' threads are
+      daemons, so an abandoned call never keeps the process alive after Ctrl-C.
+    * The event loop never waits for the engine, nor for a tokenizer: requests are encoded and
+      submitted on a pool of their own (a text the context window certainly cannot hold is refused
+      by its length before it is tokenized, ``RKSCEngine.submit``), their handles are awaited, and
       ``engine.stats()`` (which answers from the last published snapshot while a step or an
-      ``exclusive()`` block holds the engine), and leaves every call that takes the engine lock to a
-      worker thread. ``/health`` and ``/metrics`` answer while the engine is busy.
+      ``exclusive()`` block holds the engine) is read; every call that takes the engine lock is left
+      to a worker thread. ``/health`` and ``/metrics`` answer while the engine is busy.
     * An unexpected error is a 500 whose body says only ``internal server error`` and a request id;
       the exception is logged here (logger ``rksc_serve.app``) with that id.
     * Served beyond loopback without an API key, the app logs a warning (``warn_if_exposed``): at
@@ -77,8 +85,9 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from rksc_engine import Completion, RequestCancelled, RequestHandle, SamplingParams, StreamChunk
+from rksc_engine import CancelToken, Completion, RequestCancelled, RequestHandle, SamplingParams, StreamChunk
 from rksc_engine.protocol import LocalEngine
 from rksc_engine.reasoning.self_consistency import default_cgee
 from rksc_engine.structured import tools as tool_protocol
@@ -105,6 +114,8 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/rksc/reason"
                     "/v1/models", "/health", "/metrics"})
 
 log = logging.getLogger("rksc_serve.app")
+# Seconds the app's shutdown waits, over all its pools, for the calls it cancelled to end.
+SHUTDOWN_WAIT_S = 10.0
 
 
 class APIError(Exception):
@@ -138,7 +149,10 @@ def internal_error(error: BaseException) -> APIError:
 
 class _GuardedRoute(APIRoute):
     """A route whose unexpected exceptions are answered as ``internal_error`` here, as an ordinary
-    response (Starlette's catch-all handler would re-raise them to the server after answering)."""
+    response (Starlette's catch-all handler would re-raise them to the server after answering).
+    A client that went away while sending its body (``ClientDisconnect``) is no error of the
+    server's: it is answered 499, which nobody reads but ``/metrics`` counts, and logged as one
+    line (nginx's "client closed request", which the app's cancelled requests answer too)."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
@@ -148,6 +162,10 @@ class _GuardedRoute(APIRoute):
                 return await handler(request)
             except (APIError, StarletteHTTPException, RequestValidationError):
                 raise
+            except ClientDisconnect:
+                log.info("client %s went away while sending its request to %s; nothing was run",
+                         _client_address(request), request.url.path)
+                return _client_closed().response()
             except Exception as error:
                 return internal_error(error).response()
 
@@ -275,8 +293,11 @@ def create_app(engine: LocalEngine, api_key: str | None = None, *, model_name: s
         kwargs = _check(body.engine_kwargs)
 
         async def search() -> Any:
-            # Synchronous: it submits each level to the scheduler and waits, so it runs on a pool thread.
-            run = server.search_pool.run(lambda: tree_search(body.question, **kwargs))
+            # Synchronous: it submits each level to the scheduler and waits, so it runs on a pool
+            # thread; its token stops it when the client goes away or the server shuts down.
+            token = CancelToken()
+            run = server.search_pool.run(lambda: tree_search(body.question, cancel=token, **kwargs),
+                                         on_cancel=token.cancel)
             return await _until_disconnect(request, run)
 
         result = await server.call_engine("/v1/rksc/tree_search", body.prompt_field, "breadth", search)
@@ -324,15 +345,21 @@ class _Server:
         self.metrics = ServeMetrics(engine)
         self.token_text = TokenText(engine.tokenizer)
         self.started = int(time.time())
+        self.prompt_pool = WorkerPool("rksc-prompts", worker_threads)
         self.turn_pool = WorkerPool("rksc-turns", worker_threads)
         self.search_pool = WorkerPool("rksc-search", worker_threads)
         self.exposure_warned = False
         self._addresses_seen: set[str] = set()
 
-    def close(self) -> None:
-        """Stop the worker pools (at the server's shutdown): queued calls are dropped."""
-        self.turn_pool.shutdown()
-        self.search_pool.shutdown()
+    def close(self, wait_s: float = SHUTDOWN_WAIT_S) -> bool:
+        """Stop the worker pools (at the server's shutdown): queued calls are dropped, running ones
+        cancelled, and waited for ``wait_s`` seconds at most over all pools. Returns whether every
+        pool thread ended in that time (those that did not are daemons: they never block the exit)."""
+        deadline = time.monotonic() + wait_s
+        pools = (self.prompt_pool, self.turn_pool, self.search_pool)
+        for pool in pools:
+            pool.shutdown()  # cancel everything first, so the pools' calls stop together
+        return all([pool.shutdown(wait_s=max(0.0, deadline - time.monotonic())) for pool in pools])
 
     # -- requests in ----------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -395,9 +422,17 @@ class _Server:
             param = engine_error_field(str(error), prompt_param, n_param)
             raise APIError(400, f"{param}: {error}", param) from None
 
-    def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str, *,
-               stop_at_tool_call: bool = False
-               ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
+    async def submit(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str, *,
+                     stop_at_tool_call: bool = False
+                     ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
+        """``submit_now`` on the prompt pool: encoding a long prompt takes the tokenizer seconds,
+        which the event loop must not wait for."""
+        return await self.prompt_pool.run(lambda: self.submit_now(prompts, body, default_max_tokens, prompt_param,
+                                                                  stop_at_tool_call=stop_at_tool_call))
+
+    def submit_now(self, prompts: Sequence[Any], body: Any, default_max_tokens: int, prompt_param: str, *,
+                   stop_at_tool_call: bool = False
+                   ) -> tuple[SamplingParams, list[RequestHandle], list[TopLogprobsRecorder | None]]:
         """One engine request per prompt, all queued before any is awaited; the engine's own checks
         are 400s (and cancel what was already queued). Returns the request's own sampling
         parameters; with ``stop_at_tool_call`` the engine also stops at the tool-call opener."""
@@ -436,7 +471,7 @@ class _Server:
     # -- answers out ----------------------------------------------------------------------------
     async def generate(self, request: Request, shape: Shape, body: Any, prompts: Sequence[Any],
                        default_max_tokens: int, prompt_param: str) -> Response:
-        params, handles, recorders = self.submit(prompts, body, default_max_tokens, prompt_param)
+        params, handles, recorders = await self.submit(prompts, body, default_max_tokens, prompt_param)
         reply = _Reply(self, shape, body, params, recorders)
         if body.stream:
             return _event_stream(reply.events(handles))
@@ -448,7 +483,7 @@ class _Server:
                              plan: ChatPlan, messages: list[dict[str, Any]]) -> Response:
         """A chat request with tools offered or a JSON answer asked for (``rksc_serve.tool_turns``).
         Each choice's blocking engine work runs on the turn pool and is cancelled with its request."""
-        prompt_ids, params = self.turn_prompt(body, plan, messages)
+        prompt_ids, params = await self.prompt_pool.run(self.turn_prompt, body, plan, messages)
         if plan.constrained_from_start:
             reply = _Reply(self, shape, body, params, [None])
 
@@ -471,8 +506,8 @@ class _Server:
                 return await self.turn_pool.run_cancellable(
                     self.engine, lambda engine: finish_turn(engine, prompt_ids, tools, completion, params))
 
-            params, handles, recorders = self.submit([prompt_ids], body, self.limits.max_tokens, "messages",
-                                                     stop_at_tool_call=True)
+            params, handles, recorders = await self.submit([prompt_ids], body, self.limits.max_tokens, "messages",
+                                                           stop_at_tool_call=True)
             reply = _Reply(self, shape, body, params, recorders)
             if body.stream:
                 return _event_stream(reply.events(handles, finish))
@@ -658,6 +693,16 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
+def _client_closed() -> APIError:
+    """The answer to a request whose client went away (nginx's 499, "client closed request")."""
+    return APIError(499, "the client closed the request", error_type="cancelled")
+
+
+def _client_address(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client is not None else "(unknown)"
+
+
 async def _until_disconnect(request: Request, call: Awaitable[T]) -> T:
     """``call``'s result, awaited as a task that is cancelled (with the requests and pool calls it
     awaits) as soon as the client goes away: then, or when the request was cancelled, a 499."""
@@ -673,9 +718,9 @@ async def _until_disconnect(request: Request, call: Awaitable[T]) -> T:
     except asyncio.CancelledError:
         if not watcher.done():  # this handler itself was cancelled, not the call
             raise
-        raise APIError(499, "the client closed the request", error_type="cancelled") from None
+        raise _client_closed() from None
     except RequestCancelled:
-        raise APIError(499, "the client closed the request", error_type="cancelled") from None
+        raise _client_closed() from None
     finally:
         watcher.cancel()
 

@@ -80,6 +80,24 @@ def make_char_tokenizer():
     return tok
 
 
+def make_byte_tokenizer(tokenizer_class=None):
+    """A byte-level BPE tokenizer without merges (one token per UTF-8 byte, as a GPT-2-style
+    vocabulary spells any text), with ``<pad>``/``<eos>`` and the tiny chat template; 258 ids, so
+    use ``make_tiny_model(vocab_size=258)``. ``tokenizer_class``: a subclass of
+    ``PreTrainedTokenizerFast`` to build (one that watches its calls, say)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = (tokenizer_class or PreTrainedTokenizerFast)(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def make_tiny_model(seed: int = 0, vocab_size: int = 102, num_layers: int = 2, max_positions: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -161,6 +179,30 @@ def tiny_engine(tiny_model, tiny_tokenizer):
     return RKSCEngine(tiny_model, tiny_tokenizer)
 
 
+def make_tiny_engine(config=None, *, max_positions: int = 4096):
+    """The tiny model and the character tokenizer in an ``RKSCEngine`` (``config``: an ``EngineConfig``
+    or None), its context window long enough for few-shot and chat prompts."""
+    from rksc_engine import RKSCEngine
+
+    return RKSCEngine(make_tiny_model(max_positions=max_positions), make_char_tokenizer(), config)
+
+
+@pytest.fixture
+def engine():
+    """A fresh ``make_tiny_engine()`` per test, its cache and counters empty. ``tests/unit/serve``
+    overrides it with one engine per module, which that module's servers are started on."""
+    return make_tiny_engine()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    """A test on the real default model (``integration``) is in the slow tier too, so ``-m "not slow"``
+    is the fast tier and ``-m slow`` the rest, however else a test is marked."""
+    for item in items:
+        if item.get_closest_marker("integration") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 _ARITHMETIC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
@@ -206,6 +248,35 @@ def serving(app, timeout_s: float = 10.0):
         server.should_exit = True
         thread.join(timeout_s)
         sock.close()
+
+
+def no_locked_nodes(engine) -> bool:
+    """Whether no node of ``engine``'s radix cache is locked (every request that read one let go)."""
+    stack = [engine.prefix_cache.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node is not engine.prefix_cache.root and node.lock_ref:
+            return False
+    return True
+
+
+def run_out_of_memory_in_a_decode(engine, monkeypatch, nth: int) -> None:
+    """Make the ``nth`` decode forward that runs while two or more requests run fail, once, with
+    ``ForwardOutOfMemoryError`` (out of memory after every retry)."""
+    from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
+
+    real_forward = engine.runner.forward
+    decodes = {"n": 0}
+
+    def forward(input_ids, cache, **kwargs):
+        if input_ids.shape[1] == 1 and "logits_to_keep" not in kwargs and engine.stats().running_requests >= 2:
+            decodes["n"] += 1
+            if decodes["n"] == nth:
+                raise ForwardOutOfMemoryError(f"injected: out of memory in decode {nth}")
+        return real_forward(input_ids, cache, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
 
 
 def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

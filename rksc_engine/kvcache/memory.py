@@ -5,6 +5,10 @@ in ``ForwardOutOfMemoryError``.
 Out of memory means ``is_out_of_memory``: ``torch.OutOfMemoryError``, ``MemoryError``, or the plain
 ``RuntimeError`` torch raises when the CPU allocator fails ("DefaultCPUAllocator: can't allocate memory").
 
+Before anything runs, ``available_memory_bytes`` says how much a new allocation on a device can
+still get, so that a request certain not to fit is refused up front; ``format_bytes`` writes sizes
+in those refusals.
+
 Promises:
     * A failed try leaves the request's ``transformers`` cache exactly as it was before the try:
       layers that had already appended the new positions' KV are cropped back, so a retry never sees
@@ -15,6 +19,7 @@ Promises:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +57,37 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, OOM_ERRORS):
         return True
     return isinstance(error, RuntimeError) and any(text in str(error) for text in OOM_MESSAGES)
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can get now: on CUDA, what the driver has free plus what
+    torch's caching allocator holds unused; elsewhere the host's (Linux's ``MemAvailable``, else
+    the physical memory); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """``num_bytes`` in the largest binary unit it fills, with three significant digits or more:
+    ``512 B``, ``45.0 KiB``, ``1.25 MiB``, ``183 GiB``, ``1,830 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            value = num_bytes / scale
+            decimals = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+            return f"{value:,.{decimals}f} {unit}"
+    return f"{int(num_bytes):,} B"
 
 
 def cache_lengths(cache: Any) -> list[int] | None:

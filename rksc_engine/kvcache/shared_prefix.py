@@ -28,7 +28,7 @@ once, numerically against the plain path, and the engine falls back to ``Dynamic
 fails.
 
 Exactness: in float32 the split attention equals eager attention over the concatenated KV to
-rounding (``tests/unit/test_shared_prefix.py`` bounds it), and on the tiny test models the decoded
+rounding (``tests/unit/kvcache/test_shared_prefix.py`` bounds it), and on the tiny test models the decoded
 tokens equal the plain path's token for token.
 """
 

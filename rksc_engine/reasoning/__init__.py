@@ -1,11 +1,21 @@
 """Multi-branch reasoning built on an engine: self-consistency, tree search, verifiers, the online CGEE
-rules, early-stop rules, answer extraction and few-shot prompts.
+rules, early-stop rules, answer extraction and voting (exact, or clustered for free text) and few-shot prompts.
 
 Nothing here reaches into the runtime: every module drives an engine through its public API
 (``rksc_engine.protocol.Engine``), so the same code runs on ``RKSCEngine`` and ``RemoteEngine``.
 """
 
-from .answers import extract_gsm8k_answer, majority_vote
+from .answers import (
+    AnswerCluster,
+    VoteConfig,
+    VoteResult,
+    answer_key,
+    answer_similarity,
+    cluster_answers,
+    extract_gsm8k_answer,
+    majority_vote,
+    vote_answers,
+)
 from .early_stop import (
     AdaptiveConfig,
     AnsweredConfig,
@@ -33,6 +43,7 @@ from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 __all__ = [
     "SYSTEM_PROMPT",
     "AdaptiveConfig",
+    "AnswerCluster",
     "AnsweredConfig",
     "BranchAnswer",
     "CandidateScore",
@@ -48,9 +59,14 @@ __all__ = [
     "SearchResult",
     "VerificationReport",
     "Verifier",
+    "VoteConfig",
+    "VoteResult",
+    "answer_key",
+    "answer_similarity",
     "areason",
     "as_verifier",
     "check_problems",
+    "cluster_answers",
     "extract_choice_letter",
     "extract_gsm8k_answer",
     "few_shot_messages",
@@ -60,4 +76,5 @@ __all__ = [
     "resolve_extractor",
     "resolve_verifier",
     "tree_search",
+    "vote_answers",
 ]

@@ -49,7 +49,7 @@ from ..results import BranchControl, BranchEvent, Completion
 __all__ = [
     "ADAPTIVE_METHODS", "EARLY_STOP_RULES", "GSM8K_SETTLED_PATTERN", "AdaptiveConfig", "AnsweredConfig",
     "ConfidenceConfig", "EarlyStopConfig", "LengthConfig", "EarlyStopMonitor", "EarlyStopReport", "beta_leader_posterior",
-    "dirichlet_leader_posterior", "lowest_window_mean", "resolve_early_stop",
+    "dirichlet_leader_posterior", "for_clustered_vote", "lowest_window_mean", "resolve_early_stop",
 ]
 
 EARLY_STOP_RULES = ("decided", "answered", "adaptive", "confidence", "length")
@@ -234,6 +234,32 @@ def resolve_early_stop(value: None | str | EarlyStopConfig) -> EarlyStopConfig |
         raise ValueError(f"early_stop must be None, an EarlyStopConfig or one of {list(EARLY_STOP_RULES)}, got {value!r}")
     raise TypeError(f"early_stop must be None, an EarlyStopConfig or one of {list(EARLY_STOP_RULES)}, "
                     f"got {type(value).__name__}")
+
+
+def for_clustered_vote(config: EarlyStopConfig | None) -> EarlyStopConfig | None:
+    """The rules of ``config`` that hold under a clustered vote (``VoteConfig(method="cluster")``).
+
+    ``decided`` and ``adaptive`` count each branch's own answer as a vote, but a clustered vote
+    counts clusters, and a branch still running can join or bridge any of them, so neither can say
+    when the winner is settled. ``decided`` is dropped (it only ever saves tokens, so the answer is
+    the one every branch run to its end gives); ``adaptive`` is refused, as it would change how many
+    branches run. The rules that judge a branch by its own tokens (``answered``, ``confidence``,
+    ``length``) stay.
+
+    Returns:
+        ``config`` without ``decided``, or None when no rule is left.
+
+    Raises:
+        ValueError: ``config.adaptive`` is set.
+    """
+    if config is None:
+        return None
+    if config.adaptive is not None:
+        raise ValueError("early_stop.adaptive counts votes per answer and cannot run under a clustered vote; "
+                         "use vote='exact' or an early stop without adaptive")
+    if config.answered is None and config.confidence is None and config.length is None:
+        return None
+    return EarlyStopConfig(decided=False, answered=config.answered, confidence=config.confidence, length=config.length)
 
 
 def beta_leader_posterior(leader_votes: int, other_votes: int) -> float:

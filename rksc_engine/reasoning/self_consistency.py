@@ -9,26 +9,39 @@ answer can differ from the full run's; with verification skipped or no judge it 
 ``"confidence"``) trade a measured rate of changed answers for fewer decoded tokens
 (``rksc_engine.reasoning.early_stop``). Branches a rule takes out of the vote stay in the result, unvoted.
 
+Vote (``vote=``, ``rksc_engine.reasoning.answers``): ``"exact"`` (the default) counts each extracted
+answer as it is, so GSM8K numbers and choice letters vote as they always did; ``"cluster"`` groups
+equivalent free-text answers first and each cluster votes with its representative's key. Under a
+clustered vote the ``decided`` rule does not run (``early_stop.for_clustered_vote``).
+
 Picking rule: when verification runs, each candidate's confidence-weighted vote share ``p(a)`` is
 multiplied by its verifier score ``s(a)`` and the largest product wins (ties: the vote winner).
 When it is skipped, the vote winner is the answer.
+
+Cancellation (``cancel=CancelToken()``): cancelling the token cancels the branches in flight, and the
+call checks it again before the verifier pass; either way it raises ``RequestCancelled``. ``areason``
+cancels its own token when the task awaiting it is cancelled, so a verifier pass that has not
+started never runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CGEEConfig, SamplingParams
 from ..protocol import LocalEngine, ServedEngine
-from .answers import extract_gsm8k_answer, majority_vote
+from ..runtime.cancel import CancelToken, check_cancel_token
+from ..runtime.handle import RequestCancelled
+from .answers import VoteConfig, VoteResult, extract_gsm8k_answer, majority_vote, resolve_vote, vote_answers
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
-from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, resolve_early_stop
+from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, for_clustered_vote, resolve_early_stop
 from .few_shot import Problem, check_problems, few_shot_messages
 from .served import served_judge, served_limits
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
@@ -136,6 +149,9 @@ class VerificationReport:
 class ReasoningResult:
     """The chosen answer, the vote, every branch, and the verification report.
 
+    ``branches[i].answer`` is what branch ``i`` answered; ``vote.answers[i]`` is what it voted for
+    (the same for an exact vote, its cluster's answer for a clustered one), and ``votes`` counts those.
+
     ``server_limits`` is empty for a local engine; over a server (``RemoteEngine``), one line per
     thing the server does not provide and what was done instead (``rksc_engine.reasoning.served``).
     """
@@ -148,6 +164,7 @@ class ReasoningResult:
     generate_s: float = 0.0
     completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
     early_stop: EarlyStopReport | None = None  # what early stopping did; None when it was off
+    vote: VoteResult | None = None  # which vote ran, its clusters and their sizes
     server_limits: tuple[str, ...] = ()
 
     @property
@@ -216,30 +233,55 @@ def reason(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    cancel: CancelToken | None = None,
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningResult:
     """Answer ``question`` by verified self-consistency; see ``RKSCEngine.reason``.
 
     ``cgee=None`` uses the engine's ``EngineConfig.cgee``. ``early_stop``: ``"decided"`` (default,
     exact), ``"answered"``, ``"adaptive"``, ``"confidence"``, an ``EarlyStopConfig``, or None to run
-    every branch to its end. Every argument is checked before anything is generated: a bad one
-    raises ``TypeError``/``ValueError`` naming it, with the engine untouched.
+    every branch to its end. ``cancel``: a ``CancelToken`` that stops the call (its branches at
+    once, or before the verifier pass) with ``RequestCancelled``. ``vote``: ``"exact"`` (default),
+    ``"cluster"`` (for free-text answers, e.g. with ``answer_extractor=answer_key``) or a
+    ``VoteConfig``. Every argument is checked before
+    anything is generated: a bad one raises ``TypeError``/``ValueError`` naming it, with the engine
+    untouched.
     """
     plan = plan_reasoning(engine, question, n=n, params=params, few_shot=few_shot, prompt=prompt,
-                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop)
+                          answer_extractor=answer_extractor, verifier=verifier, cgee=cgee, early_stop=early_stop,
+                          cancel=cancel, vote=vote)
     start = time.perf_counter()
     handle, monitor = launch_branches(engine, plan)
-    completions = handle.result() if monitor is not None else handle
+    completions = wait_for_branches(plan, handle)
     return finish_reasoning(plan, completions, time.perf_counter() - start, monitor)
 
 
 def launch_branches(engine: LocalEngine, plan: ReasoningPlan) -> tuple[Any, EarlyStopMonitor | None]:
-    """Start ``plan``'s branches: with early stop, a submitted request watched by its monitor (the
-    ``RequestHandle`` and the monitor); without, the completions of all ``n`` branches and None."""
+    """Submit ``plan``'s branches (after checking its ``cancel`` token): the ``RequestHandle`` and,
+    with early stop, the monitor that watches it (else None)."""
+    _check_cancel(plan, "reasoning")
     if plan.early_stop is None:
-        return engine.generate_branches(plan.messages, plan.n, plan.params), None
+        return engine.submit(plan.messages, plan.n, plan.params), None
     monitor = EarlyStopMonitor(plan.early_stop, n=plan.n, extract=plan.extract,
                                max_new_tokens=plan.params.max_new_tokens)
     return submit_branches(engine, plan.messages, plan.n, plan.params, monitor), monitor
+
+
+def wait_for_branches(plan: ReasoningPlan, handle: Any) -> list[Any]:
+    """The completions of ``handle``; cancelling ``plan.cancel`` meanwhile cancels it (``RequestCancelled``)."""
+    if plan.cancel is None:
+        return handle.result()
+    with plan.cancel.cancelling([handle]):
+        try:
+            return handle.result()
+        except RequestCancelled:
+            _check_cancel(plan, "reasoning, while its branches decoded")
+            raise
+
+
+def _check_cancel(plan: ReasoningPlan, what: str) -> None:
+    if plan.cancel is not None:
+        plan.cancel.raise_if_cancelled(what)
 
 
 def submit_branches(engine: LocalEngine, prompt: Any, n: int, params: SamplingParams,
@@ -262,19 +304,28 @@ def branch_answers(completions: Sequence[Any], extract: AnswerExtractor,
 
 
 async def areason(engine: LocalEngine, question: str, **kwargs: Any) -> ReasoningResult:
-    """``reason`` for asyncio: the branches are awaited from the scheduler (the event loop stays
-    free while they decode, batched with every other request); the verifier's one pass runs in a
-    worker thread. Same arguments and result as ``reason``."""
-    import asyncio
-
+    """``reason`` for asyncio: the prompt is encoded and the verifier's one pass runs in worker
+    threads, and the branches are awaited from the scheduler, so the event loop stays free (they
+    decode batched with every other request). Cancelling the awaiting task cancels the branches,
+    and the ``cancel`` token (one of its own when given none), so a verifier pass not yet started
+    never runs. Same arguments and result as ``reason``."""
     plan = plan_reasoning(engine, question, **kwargs)
-    start = time.perf_counter()
-    if plan.early_stop is None:
-        monitor, completions = None, await engine.submit(plan.messages, plan.n, plan.params)
-    else:
-        handle, monitor = launch_branches(engine, plan)
-        completions = await handle
-    return await asyncio.to_thread(finish_reasoning, plan, completions, time.perf_counter() - start, monitor)
+    if plan.cancel is None:
+        plan = replace(plan, cancel=CancelToken())
+    assert plan.cancel is not None
+    try:
+        start = time.perf_counter()
+        handle, monitor = await asyncio.to_thread(launch_branches, engine, plan)
+        with plan.cancel.cancelling([handle]):
+            try:
+                completions = await handle
+            except RequestCancelled:
+                _check_cancel(plan, "reasoning, while its branches decoded")
+                raise
+        return await asyncio.to_thread(finish_reasoning, plan, completions, time.perf_counter() - start, monitor)
+    except asyncio.CancelledError:
+        plan.cancel.cancel()
+        raise
 
 
 @dataclass(frozen=True)
@@ -289,6 +340,8 @@ class ReasoningPlan:
     judge: Verifier | None
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
+    cancel: CancelToken | None = None
+    vote: VoteConfig = field(default_factory=VoteConfig)
     server_limits: tuple[str, ...] = ()
 
 
@@ -309,6 +362,8 @@ def plan_reasoning(
     verifier: Verifier | Callable | None = None,
     cgee: CGEEConfig | None = None,
     early_stop: None | str | EarlyStopConfig = "decided",
+    cancel: CancelToken | None = None,
+    vote: str | VoteConfig = "exact",
 ) -> ReasoningPlan:
     """Check every argument of ``reason`` (nothing runs): ``TypeError``/``ValueError`` naming the bad one."""
     if not isinstance(question, str):
@@ -331,19 +386,36 @@ def plan_reasoning(
     judge = resolve_verifier(engine, verifier)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     stop = resolve_early_stop(early_stop)
+    cancel = check_cancel_token(cancel)
+    voting = resolve_vote(vote)
+    if voting.method == "cluster":
+        stop = for_clustered_vote(stop)
     limits = served_limits(engine, stop, cgee, verifier is not None)
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, limits)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel, voting, limits)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
                      monitor: EarlyStopMonitor | None = None) -> ReasoningResult:
     """Extract, vote, verify (or skip by CGEE) and pick, for the generated branches of ``plan``;
-    with ``monitor``, only the branches its rules left in the vote are voted."""
+    with ``monitor``, only the branches its rules left in the vote are voted. ``RequestCancelled``
+    before the verifier pass when ``plan.cancel`` is cancelled."""
     branches = branch_answers(completions, plan.extract, monitor)
-    answer, report, summary = verify_and_pick(plan.question, branches, plan.judge, plan.cgee)
-    _, votes = majority_vote([b.answer for b in branches])
+    result, voted = vote_branches(branches, plan.vote, question=plan.question)
+    _check_cancel(plan, "reasoning, before its verifier pass")
+    answer, report, summary = verify_and_pick(plan.question, voted, plan.judge, plan.cgee)
+    _, votes = majority_vote(result.answers)
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),
-                           monitor.report() if monitor is not None else None, plan.server_limits)
+                           monitor.report() if monitor is not None else None, result, plan.server_limits)
+
+
+def vote_branches(branches: Sequence[BranchAnswer], config: VoteConfig, *,
+                  question: str | None = None) -> tuple[VoteResult, list[BranchAnswer]]:
+    """Vote ``branches`` as ``config`` says: the ``VoteResult``, and the branches as they voted (each
+    one's ``answer`` replaced by its cluster's), ready for ``verify_and_pick``. ``question``: its
+    words do not count as agreement between clustered answers."""
+    result = vote_answers([b.answer for b in branches], [b.confidence for b in branches], config, question=question)
+    voted = [b if b.answer == answer else replace(b, answer=answer) for b, answer in zip(branches, result.answers)]
+    return result, voted
 
 
 def verify_and_pick(

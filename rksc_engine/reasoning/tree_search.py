@@ -21,6 +21,13 @@ Which KV gets cached: a node's step enters the prefix cache when the node is exp
 the parent's path plus the step; only the step is computed, the rest is a cache hit). Children the
 beam drops are never prefilled, so they cost no cache memory.
 
+Blank steps: a step that is only whitespace is not a step. A child that reached the delimiter before
+writing anything else (a model that leaves a blank line between steps) goes on from there, seeded as
+it was, until it writes a step or spends its ``max_new_tokens``: its node holds the blank tokens and
+the step after them, and its text is that step. A child left blank when its budget runs out is
+dropped; one that ended blank by EOS or a user stop string ends its parent's path instead (the parent
+joins the finished paths). So no node but the root has blank text, and none is scored.
+
 Early stop (``early_stop="length"``, ``"confidence"`` or an ``EarlyStopConfig``): each expansion's
 ``breadth`` children run under their own ``EarlyStopMonitor``, so a child that rambles past the tail
 cut, or whose token confidence falls below its siblings' threshold, is stopped as a self-consistency
@@ -28,6 +35,11 @@ branch would be. A stopped child (status ``"stopped"``) stays in the tree with t
 the beam never keeps it, so it is never expanded and its KV is never cached. Children are scored, not
 voted, so the vote rules (``decided``, ``answered``, ``adaptive``) do not apply. The monitor reads only
 each child's own tokens, so the tree still does not depend on batching (``expand_together``).
+
+Cancellation (``cancel=CancelToken()``): the search checks the token before each level and before
+each scoring pass, and cancelling it cancels the level's requests in flight at once (they end at
+the scheduler's next step). A cancelled search raises ``RequestCancelled`` saying how many levels it
+had finished; the steps it had cached stay in the prefix cache with the scores they were given.
 """
 
 from __future__ import annotations
@@ -35,7 +47,8 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +57,8 @@ from tqdm.auto import tqdm
 from ..config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
 from ..protocol import LocalEngine
 from ..results import Completion
+from ..runtime.cancel import CancelToken, check_cancel_token
+from ..runtime.handle import RequestCancelled, RequestHandle
 from .cgee import CGEEConfig
 from .early_stop import (
     EARLY_STOP_RULES,
@@ -74,17 +89,23 @@ class SearchNode:
         index: Position in ``SearchResult.nodes`` (the root is 0); creation order.
         parent: Index of the parent, None for the root.
         depth: Steps from the root (root 0).
-        text: This step's text, cut before the step delimiter (empty for the root).
-        token_ids: This step's generated tokens, as fed to the next step.
+        text: This step's text, cut before the step delimiter (empty for the root, never blank for
+            another node: a step that began with blank lines is the text after them).
+        token_ids: This step's generated tokens, as fed to the next step (blank lines before the
+            step included).
         branch_score: Score of the path root..this node (the root: 1.0).
         finish_reason: The step's ``Completion.finish_reason`` (None for the root).
         is_final: The path ended here: an answer (``final_marker``), EOS, a user stop string, or
-            the context window.
+            the context window (also on an expanded node whose child ended blank by EOS or a user
+            stop string).
         status: ``"root"``, ``"expanded"`` (its children were generated), ``"kept"`` (in the beam,
             not expanded: a final node or the last level), ``"pruned"`` (dropped by the beam), or
             ``"stopped"`` (an early-stop rule stopped it or left it out: never ranked by the beam, never
             expanded; its text and tokens are what it had generated, ``is_final`` as that step reads).
         children: Indices of its children.
+        branch_index: Which of its parent's ``breadth`` children it was: it drew from the parent's
+            seed plus this (``seed + parent * breadth + branch_index``). None for the root. A blank
+            child makes no node, so a parent's children may skip an index.
     """
 
     index: int
@@ -100,6 +121,7 @@ class SearchNode:
     # Sum of logprobs and count of generated tokens along the path root..this node (path confidence).
     path_logprob_sum: float = 0.0
     path_num_tokens: int = 0
+    branch_index: int | None = None
 
 
 @dataclass
@@ -120,7 +142,9 @@ class SearchResult:
             that ran), ``expansions``, ``children_launched``, ``children_stopped`` (nodes with status
             ``"stopped"``), ``children_cancelled`` (those of them cut while decoding, the ones that saved
             tokens; the rest finished and were left out by the confidence filter), ``decode_tokens``
-            (tokens the children decoded), and ``stopped_by`` (per rule, children it stopped).
+            (tokens the children decoded, blank ones and their continuations included), and
+            ``stopped_by`` (per rule, children it stopped). Children are nodes: a blank child, which
+            makes none, is not counted.
         server_limits: Empty for a local search; over a server (``RemoteEngine.tree_search``), one
             line per thing not done there (RSBCM's cache annotation) or the server does not provide.
     """
@@ -239,6 +263,7 @@ def tree_search(
     progress: bool = False,
     expand_together: bool = True,
     early_stop: None | str | EarlyStopConfig = None,
+    cancel: CancelToken | None = None,
 ) -> SearchResult:
     """Beam search over reasoning steps; see ``RKSCEngine.tree_search``.
 
@@ -269,9 +294,14 @@ def tree_search(
             ``EarlyStopMonitor`` and those it stops or leaves out get status ``"stopped"`` and are never
             kept or expanded. Only ``length`` and ``confidence`` apply (children are scored, not
             voted): ``answered``/``adaptive`` raise ``ValueError``; ``decided`` is ignored.
+        cancel: A ``CancelToken`` another thread may cancel: the search stops before its next level
+            or scoring pass, and its requests in flight are cancelled at once.
 
     Returns:
         A ``SearchResult``.
+
+    Raises:
+        RequestCancelled: ``cancel`` was cancelled before the search ended.
 
     Example:
         >>> result = engine.tree_search("Tom has 3 bags of 4 apples. How many apples?", breadth=3, depth=6,
@@ -313,6 +343,7 @@ def tree_search(
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig or None, got {type(cgee).__name__}")
     stop_config = resolve_search_early_stop(early_stop)
+    cancel = check_cancel_token(cancel)
     judge = _resolve_scorer(engine, scorer)
     messages = prompt if prompt is not None else few_shot_messages(question, shots)
     root_ids = engine.encode(messages)
@@ -323,6 +354,7 @@ def tree_search(
     search = _Search(engine, question, root_ids, breadth, beam, step_delimiter, judge, params, final_marker,
                      demote_pruned, cgee)
     search.concurrent = expand_together
+    search.cancel = cancel
     if stop_config is not None:
         search.enable_early_stop(stop_config, extract)
     start = time.perf_counter()
@@ -333,6 +365,36 @@ def tree_search(
     text = search.path_text(best.index)
     return SearchResult(extract(text), best_path, best.branch_score, text, search.nodes, search.num_expansions, wall_s,
                         search.cache_bytes_trace, search.early_stop_totals)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One child's generated step, before it becomes a node (or, blank, is merged or dropped).
+
+    Attributes:
+        branch_index: The child's index among its siblings (its seed is the expansion's plus this).
+        token_ids: Every token it generated, blank lines before the step included.
+        logprobs: Their log-probabilities.
+        text: The step's text, cut before the delimiter (after the blank lines once merged).
+        finish_reason: How its last part ended (``Completion.finish_reason``).
+        ends_path: EOS, a user stop string other than the delimiter, or the final marker ended it.
+    """
+
+    branch_index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: str
+    ends_path: bool
+
+    @property
+    def is_blank(self) -> bool:
+        return not self.text.strip()
+
+    def followed_by(self, part: _Step) -> _Step:
+        """This blank step and ``part``, generated after it, as one step: ``part``'s text and ending."""
+        return _Step(self.branch_index, self.token_ids + part.token_ids, self.logprobs + part.logprobs,
+                     part.text, part.finish_reason, part.ends_path)
 
 
 class _Search:
@@ -359,6 +421,8 @@ class _Search:
         self.early_stop: EarlyStopConfig | None = None
         self.extract: Callable[[str], str | None] | None = None
         self.early_stop_totals: dict[str, Any] | None = None
+        self.cancel: CancelToken | None = None
+        self.num_levels = 0  # levels expanded and scored
 
     def enable_early_stop(self, config: EarlyStopConfig, extract: Callable[[str], str | None]) -> None:
         """Run every expansion's children under an ``EarlyStopMonitor`` of ``config`` (already
@@ -370,11 +434,29 @@ class _Search:
                                   "stopped_by": {rule: 0 for rule in rules}}
 
     def run(self, depth: int, progress: bool) -> None:
+        """Expand, score and prune level after level; ``RequestCancelled`` once ``cancel`` is set."""
+        try:
+            self._run(depth, progress)
+        except RequestCancelled:
+            if self.cancel is None or not self.cancel.cancelled:
+                raise  # a request cancelled by someone else: not this search's own cancellation
+            raise RequestCancelled(f"tree search cancelled by its CancelToken after {self.num_levels} finished "
+                                   f"levels ({self.num_expansions} expansions)") from None
+
+    def _check_cancel(self) -> None:
+        if self.cancel is not None:
+            self.cancel.raise_if_cancelled("tree search")
+
+    def _run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
-            children = self._expand_level(self.frontier)
+            self._check_cancel()
+            with self._level_requests() as submitted:
+                children = self._expand_level(self.frontier, submitted)
             if not children:
                 break
+            self._check_cancel()
             self._score(children)
+            self.num_levels += 1
             # Stopped children keep their score for inspection but never compete for the beam.
             ranked = sorted((i for i in children if self.nodes[i].status != "stopped"),
                             key=lambda i: (-self.nodes[i].branch_score, i))
@@ -392,10 +474,11 @@ class _Search:
             if not self.frontier:
                 break
 
-    def _expand_level(self, frontier: list[int]) -> list[int]:
+    def _expand_level(self, frontier: list[int], submitted: list[RequestHandle]) -> list[int]:
         """Expand every frontier node; all their requests are submitted before any is waited on, so
         the scheduler decodes the whole level in one batch. Node ``i``'s children draw from seeds
-        ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching."""
+        ``base_seed + i * breadth + j`` either way, so the tree does not depend on the batching.
+        Each request's handle goes into ``submitted`` as soon as it is made (``_level_requests``)."""
         handles = {}
         monitors: dict[int, EarlyStopMonitor] = {}
         for index in frontier:
@@ -412,9 +495,12 @@ class _Search:
                                                              max_new_tokens=params.max_new_tokens)
                 handles[index] = self.engine.submit(ids, self.breadth, params, monitor=monitor,
                                                     max_branches=self.breadth)
+            submitted.append(handles[index])
+            self._check_cancel()  # a cancel that ran before the append did not see this handle
             if not self.concurrent:
                 handles[index] = handles[index].result()
-        children = []
+        steps: dict[int, list[_Step]] = {}
+        stopped: dict[int, dict[int, str]] = {}
         for index in frontier:
             if index not in handles:
                 node = self.nodes[index]
@@ -422,12 +508,79 @@ class _Search:
                 self.finished.append(index)
                 continue
             done = handles[index]
-            children += self._add_children(index, done if isinstance(done, list) else done.result(),
-                                           monitors.get(index))
+            completions = done if isinstance(done, list) else done.result()
+            stopped[index] = self._stopped_children(completions, monitors.get(index))
+            steps[index] = [self._step(c) for c in completions]
+        self._continue_blank_steps(steps, stopped, submitted)
+        children = []
+        for index, level_steps in steps.items():
+            children += self._add_children(index, level_steps, stopped[index])
         return children
 
+    @contextmanager
+    def _level_requests(self) -> Iterator[list[RequestHandle]]:
+        """A list for the level's submitted handles: cancelling the search cancels them at once, and so
+        does any error that ends the level (nobody would read them)."""
+        submitted: list[RequestHandle] = []
+        with self.cancel.cancelling(submitted) if self.cancel is not None else nullcontext():
+            try:
+                yield submitted
+            except BaseException:
+                for handle in submitted:
+                    handle.cancel()
+                raise
+
+    def _step(self, completion: Completion) -> _Step:
+        raw = self.engine.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        ended_by_other_stop = completion.finish_reason == "stop" and self.delimiter not in raw
+        ends_path = (completion.finish_reason == "eos" or ended_by_other_stop
+                     or (self.final_marker is not None and self.final_marker in completion.text))
+        return _Step(completion.branch_index, completion.token_ids, completion.logprobs, completion.text,
+                     completion.finish_reason, ends_path)
+
+    def _continues(self, index: int, step: _Step) -> bool:
+        """Whether ``step`` (a child of node ``index``) is blank only because it met the delimiter
+        first, and may go on: tokens left of its budget and room in the context window."""
+        return (step.is_blank and step.finish_reason == "stop" and not step.ends_path
+                and len(step.token_ids) < self.params.max_new_tokens
+                and len(self.path_ids[index]) + len(step.token_ids) < self.engine.context_window - 1)
+
+    def _continue_blank_steps(self, steps: dict[int, list[_Step]], stopped: dict[int, dict[int, str]],
+                              submitted: list[RequestHandle]) -> None:
+        """Let each child that met the delimiter before writing anything go on from its blank tokens,
+        round by round, until it writes a step or cannot go on (``_continues``); a round's children are
+        submitted together, as a level's are, and like them go into ``submitted`` (a cancel of the
+        search cancels them). Only children the early-stop rules kept go on."""
+        pending = [(index, k) for index, level_steps in steps.items() for k, step in enumerate(level_steps)
+                   if step.branch_index not in stopped[index] and self._continues(index, step)]
+        while pending:
+            handles = {}
+            for index, k in pending:
+                step = steps[index][k]
+                params = replace(self.params, seed=self._continuation_seed(index, step),
+                                 max_new_tokens=self.params.max_new_tokens - len(step.token_ids))
+                handles[index, k] = self.engine.submit(self.path_ids[index] + list(step.token_ids), 1, params)
+                submitted.append(handles[index, k])
+                self._check_cancel()
+                if not self.concurrent:
+                    handles[index, k] = handles[index, k].result()
+            for (index, k), done in handles.items():
+                [part] = done if isinstance(done, list) else done.result()
+                steps[index][k] = steps[index][k].followed_by(self._step(part))
+                if self.early_stop_totals is not None:
+                    self.early_stop_totals["decode_tokens"] += len(part.token_ids)
+            pending = [(index, k) for index, k in pending if self._continues(index, steps[index][k])]
+
+    def _continuation_seed(self, index: int, step: _Step) -> int:
+        """The seed of the next part of blank ``step`` (a child of node ``index``): its own seed
+        would redraw the numbers that just picked the delimiter, and tend to pick it again, so it is
+        mixed with the tokens generated so far; still fixed by ``params.seed``, and at most ``MAX_SEED``."""
+        child_seed = self.base_seed + index * self.breadth + step.branch_index
+        return (child_seed * 0x9E3779B1 + len(step.token_ids)) % (MAX_SEED + 1)
+
     def _stopped_children(self, completions: list[Completion], monitor: EarlyStopMonitor | None) -> dict[int, str]:
-        """Per branch index of a child an early-stop rule took out, the rule; counted in the totals."""
+        """Per branch index of a child an early-stop rule took out, the rule (the expansion and its
+        decoded tokens are counted in the totals; each child when it becomes a node)."""
         if monitor is None:
             return {}
         report: EarlyStopReport = monitor.report()
@@ -440,40 +593,46 @@ class _Search:
                 stopped[completion.branch_index] = stopped_by.get(completion.branch_index, "confidence")
         totals = self.early_stop_totals
         totals["expansions"] += 1
-        totals["children_launched"] += report.branches_launched
-        totals["children_stopped"] += len(stopped)
-        totals["children_cancelled"] += sum(c.finish_reason == "cancelled" and c.branch_index in stopped
-                                            for c in completions)
         totals["decode_tokens"] += report.decode_tokens
-        for rule in stopped.values():
-            totals["stopped_by"][rule] = totals["stopped_by"].get(rule, 0) + 1
         return stopped
 
-    def _add_children(self, index: int, completions: list[Completion],
-                      monitor: EarlyStopMonitor | None = None) -> list[int]:
+    def _count_child(self, child: SearchNode, rule: str | None) -> None:
+        """Count a new node in the early-stop totals (when early stop is on); ``rule`` took it out, if one did."""
+        totals = self.early_stop_totals
+        if totals is None:
+            return
+        totals["children_launched"] += 1
+        if rule is not None:
+            totals["children_stopped"] += 1
+            totals["children_cancelled"] += child.finish_reason == "cancelled"
+            totals["stopped_by"][rule] = totals["stopped_by"].get(rule, 0) + 1
+
+    def _add_children(self, index: int, steps: list[_Step], stopped: dict[int, str]) -> list[int]:
+        """Node ``index``'s children from its steps (``stopped``: branch index -> the early-stop rule
+        that took it out); a blank step makes no node (see the module docstring)."""
         node, ids = self.nodes[index], self.path_ids[index]
         self.num_expansions += 1
         self.cache_bytes_trace.append(self.engine.prefix_cache.total_bytes)
         node.status = "expanded"
         self.expanded.append(index)
         self._annotate_path(index)  # the prefill just cached this node's step with default scores
-        tokenizer = self.engine.tokenizer
-        stopped = self._stopped_children(completions, monitor)
         out = []
-        for completion in completions:
-            step_ids = [t for t in completion.token_ids if t not in self.engine.eos_token_ids]
-            raw = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            ended_by_other_stop = completion.finish_reason == "stop" and self.delimiter not in raw
-            is_final = (completion.finish_reason == "eos" or ended_by_other_stop
-                        or (self.final_marker is not None and self.final_marker in completion.text))
+        for step in steps:
+            if step.is_blank:
+                if step.ends_path and index != 0 and step.branch_index not in stopped and index not in self.finished:
+                    node.is_final = True  # the model ended the path right after this node's step
+                    self.finished.append(index)
+                continue
+            step_ids = [t for t in step.token_ids if t not in self.engine.eos_token_ids]
             child = SearchNode(
-                len(self.nodes), index, node.depth + 1, completion.text, tuple(step_ids), 0.0,
-                completion.finish_reason, is_final=is_final,
-                path_logprob_sum=node.path_logprob_sum + sum(completion.logprobs),
-                path_num_tokens=node.path_num_tokens + len(completion.logprobs),
+                len(self.nodes), index, node.depth + 1, step.text, tuple(step_ids), 0.0,
+                step.finish_reason, is_final=step.ends_path, branch_index=step.branch_index,
+                path_logprob_sum=node.path_logprob_sum + sum(step.logprobs),
+                path_num_tokens=node.path_num_tokens + len(step.logprobs),
             )
-            if completion.branch_index in stopped:
+            if step.branch_index in stopped:
                 child.status = "stopped"
+            self._count_child(child, stopped.get(step.branch_index))
             self.nodes.append(child)
             self.path_ids.append(ids + step_ids)
             node.children.append(child.index)

@@ -19,8 +19,10 @@ import torch
 from ..kvcache.batch_decode import BatchDecodeCache
 from ..kvcache.probe import logit_tolerance
 from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
+from ..kvcache.static_rows import StaticRowPool
 from .model_runner import ModelRunner
-from .prefill import Prefilled, Prefiller
+from .prefill import Prefiller
+from .prefix_access import Prefilled
 from .request import Request
 
 
@@ -38,6 +40,35 @@ def forward_rows(runner: ModelRunner, requests: Sequence[Request]) -> tuple[torc
         out = runner.decode_forward(input_ids, cache, position_ids=cache.position_ids(runner.device),
                                     **cache.forward_kwargs())
     return out.logits[:, -1, :], cache.row_ranges
+
+
+def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, requests: Sequence[Request]
+                        ) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """The running rows of ``requests`` (each ``cache`` a ``StaticRows`` of ``pool``) one token
+    further, in one forward over the pool's rows ``[0, top)``. A request's next tokens are in the
+    pool already (the step before wrote them there), or in its ``next_tokens`` (its first step, a
+    sampled request), which are written in first. Returns the next-token logits (rows, V) in the
+    requests' order, each request's rows in them, and each row's slot (rows,)."""
+    order: list[int] = []
+    row_ranges = []
+    pending: list[Request] = []
+    for request in requests:
+        row_ranges.append((len(order), len(order) + request.cache.num_rows))
+        order += request.cache.slots
+        if request.next_tokens is not None:
+            pending.append(request)
+    slots = torch.tensor(order, device=pool.device)
+    if pending:
+        pending_slots = torch.tensor([s for r in pending for s in r.cache.slots], device=pool.device)
+        pool.next_tokens.index_copy_(0, pending_slots, torch.cat([r.next_tokens for r in pending]))
+        for request in pending:
+            request.next_tokens = None
+    logits = runner.decode_static(pool)  # (top, V)
+    live = torch.zeros(pool.top, dtype=torch.long, device=pool.device).index_fill_(0, slots, 1)
+    pool.advance(live, order)
+    if order != list(range(pool.top)):  # rows in another order than their slots
+        logits = logits.index_select(0, slots)
+    return logits, row_ranges, slots
 
 
 def suffix_lengths(requests: Sequence[Request]) -> list[int]:
@@ -90,11 +121,11 @@ def forward_rows_and_prompts(runner: ModelRunner, prefiller: Prefiller, requests
         if check:
             row_logits = _checked_rows(runner, requests, lengths, row_logits)
             first = Prefilled(list(prompts[0]), None, prompt_logits[:1], cached[0])
-            diff, tolerance = prefiller.difference_from_alone(first)
+            diff, tolerance = prefiller.packing.difference_from_alone(first)
             if not diff <= tolerance:
                 raise MixedPrefillMismatch(f"a prompt prefilled in the decode step's forward changed its logits by "
                                            f"{diff:.3g} (> {tolerance:.3g})")
-        prefilled = prefiller.finish_prompts(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))],
+        prefilled = prefiller.packing.finish_prompts(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))],
                                              prompt_logits)
     except BaseException:
         roll_back(requests, lengths)

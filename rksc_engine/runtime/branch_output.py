@@ -71,7 +71,7 @@ def completion(request: Request, branch: Branch) -> Completion:
         num_cached_tokens=request.num_cached_tokens,
         branch_index=branch.index,
         seed=request.seed,
-        asks=request.asks,
+        asks=request.reuse_decision,
     )
 
 

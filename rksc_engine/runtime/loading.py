@@ -8,10 +8,13 @@ converts it once into a safetensors directory under the user cache and every lat
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,7 +56,10 @@ def default_gguf_path() -> Path:
 
 
 def ensure_default_model(progress: bool = True) -> Path:
-    """Return the converted default model directory, converting the GGUF file on first use."""
+    """Return the converted default model directory, converting the GGUF file on first use.
+
+    With ``progress``, the conversion shows one progress bar, on a terminal only (in a log it would
+    be a stream of redraws); transformers' own bars stay off while it runs."""
     target = default_model_dir()
     if (target / _COMPLETE_MARKER).is_file():
         return target
@@ -61,9 +67,47 @@ def ensure_default_model(progress: bool = True) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise DefaultModelNotInstalled(f"Reading the default model needs the gguf package:\n    {INSTALL_HINT}")
     from tqdm.auto import tqdm
+
+    # disable=None: tqdm shows the bar only when its stream is a terminal.
+    steps = tqdm(total=3, desc=f"rksc: converting {DEFAULT_MODEL_NAME} (once)", disable=None if progress else True)
+    try:
+        with _without_transformers_bars():
+            _convert(gguf_path, target, steps)
+    finally:
+        steps.close()
+    return target
+
+
+@contextmanager
+def _without_transformers_bars() -> Iterator[None]:
+    """Keep transformers' progress bars off inside the block, restoring the user's setting after.
+
+    Nested under ours they would redraw with cursor-up escapes (``ESC[A``) that a log keeps as
+    litter. Its GGUF reader calls tqdm directly rather than through its logging switch, so that
+    module's ``tqdm`` is swapped for a disabled one meanwhile; the swap is process-wide, which a
+    once-per-cache conversion can afford."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_bar = getattr(gguf_loading, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_bar is not None:
+        gguf_loading.tqdm = functools.partial(gguf_bar, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_bar is not None:
+            gguf_loading.tqdm = gguf_bar
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _convert(gguf_path: Path, target: Path, steps) -> None:
+    """Dequantise ``gguf_path`` into a safetensors model directory at ``target``, advancing ``steps``
+    (a tqdm bar of 3) after the tokenizer, the model and the write."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=3, desc=f"rksc: converting {DEFAULT_MODEL_NAME} (once)", disable=not progress)
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, local_files_only=True)
     steps.update(1)
@@ -92,8 +136,6 @@ def ensure_default_model(progress: bool = True) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     steps.update(1)
-    steps.close()
-    return target
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -166,17 +208,9 @@ def load_model_dir(path: str | Path, device: torch.device, dtype: torch.dtype, t
     if not (path / "config.json").is_file():
         raise ValueError(f"model must be None, a local model directory with a config.json, or a (model, tokenizer) "
                          f"pair; {str(path)!r} has no config.json (rksc never downloads from a hub)")
-    from transformers.utils import logging as hf_logging
-
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    # A sub-second load needs no progress bar; keep the user's setting for everything else.
-    bars_were_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with _without_transformers_bars():  # a sub-second load needs no progress bar
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
         )
-    finally:
-        if bars_were_enabled:
-            hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer

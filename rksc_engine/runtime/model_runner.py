@@ -8,6 +8,7 @@ Callers hold the engine lock (``runtime.lock``); the runner takes no lock itself
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import logging
 from collections.abc import Callable
@@ -24,15 +25,38 @@ from ..kvcache.cache_layers import (
     prefix_cache_refusal,
     unsupported_layer_types,
 )
-from ..kvcache.memory import run_with_oom_retry
-from ..kvcache.probe import ProbeResult, probe
+from ..kvcache.memory import ForwardOutOfMemoryError, is_out_of_memory, run_with_oom_retry
+from ..kvcache.probe import ProbeResult, logit_tolerance, probe
 from ..kvcache.radix import RadixPrefixCache
+from ..kvcache.static_rows import StaticRowPool
 from . import weight_left_linear
+from .static_decode import StaticStep, probe_static_rows
 from .stats import Counters
 
 logger = logging.getLogger(__name__)
 # Inconclusive shared-prefix probes (exceptions) tolerated before the fast path is given up.
 MAX_PROBE_ATTEMPTS = 3
+
+
+def ran_out_of_memory(error: BaseException) -> bool:
+    """Whether a pass failed for want of memory: on every try (``ForwardOutOfMemoryError``), or in an
+    allocation that was not retried (``is_out_of_memory``)."""
+    return isinstance(error, ForwardOutOfMemoryError) or is_out_of_memory(error)
+
+
+class DecodeLayout(enum.Enum):
+    """How a request's branches hold their KV while they decode (``EngineConfig.decode_attention``).
+
+    * ``SHARED_PREFIX``: the prompt once, each branch's suffix apart; a step's attention reads a
+      prompt segment once for every row that shares it (``kvcache.shared_prefix``).
+    * ``STATIC_ROWS``: each row's whole KV in a fixed-shape pool; one attention call per layer for
+      every row, and a step that can be compiled (``kvcache.static_rows``).
+    * ``DYNAMIC_CACHE``: the model's own cache, the prompt copied per branch; one forward per request.
+    """
+
+    SHARED_PREFIX = "shared_prefix"
+    STATIC_ROWS = "static_rows"
+    DYNAMIC_CACHE = "dynamic_cache"
 
 
 class ModelRunner:
@@ -56,7 +80,9 @@ class ModelRunner:
                                       "layer for them, so no exact cache can be kept")
         self.model = model.eval()
         # Its float32 CPU linear layers compute otherwise only inside `decode_forward`; elsewhere as before.
-        self.weight_left_layers = weight_left_linear.install(model) if config.decode_matmul == "auto" else 0
+        # A compiled step traces the model's own layers: the weight-left gate would only get in its way.
+        turn = config.decode_matmul == "auto" and config.decode_capture == "off"
+        self.weight_left_layers = weight_left_linear.install(model) if turn else 0
         self._prefix_cache_refusal = prefix_cache_refusal(self._layer_types or [])
         self.config = config
         self.prefix_cache = prefix_cache
@@ -72,6 +98,8 @@ class ModelRunner:
         # cache budget never goes below them (the scheduler, which knows its requests, sets it).
         self.min_budget_tokens: Callable[[], int] = lambda: 0
         self.shared_prefix_probe: ProbeResult | None = None  # probed on first decode
+        self.static_step: StaticStep | None = None  # built, and probed, on the first static-rows decode
+        self.static_rows_refusal: str | None = None  # why not, when the probe said no
         self._probe_failures = 0
         self._oom_since_relax = False
 
@@ -151,6 +179,20 @@ class ModelRunner:
         with products:
             return self.forward(input_ids, cache, **kwargs)
 
+    def decode_static(self, pool: StaticRowPool) -> torch.Tensor:
+        """One decode step of ``pool``'s rows ``[0, top)`` (``StaticStep.logits``), with the
+        out-of-memory retry of ``forward`` (a failed try leaves nothing to roll back: the next one
+        writes the same positions again); returns the next-token logits (top, V)."""
+        step = self.static_step
+        if step is None:
+            raise RuntimeError("decode_static before decode_layout() chose static rows")
+        if self.weight_left_layers and not step.compiled:
+            products = weight_left_linear.weight_left_products()
+        else:
+            products = contextlib.nullcontext()
+        with products:
+            return self.run_with_oom_retry(lambda: step.logits(pool, pool.next_tokens, self.dtype), None)
+
     def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final
         hidden states (B, T, hidden), with the same out-of-memory roll-back and retry."""
@@ -182,7 +224,38 @@ class ModelRunner:
         elif cache.budget_bytes < cache.configured_budget_bytes:
             cache.relax_budget(self.config.rsbcm.oom_budget_restore)
 
-    # -- the batched decode's probe ---------------------------------------------------------------
+    # -- the decode layout and its probes ---------------------------------------------------------
+    def decode_layout(self) -> DecodeLayout:
+        """How the next request's branches decode (``DecodeLayout``), from ``decode_attention``.
+
+        ``"static_rows"`` builds the step (compiled when ``decode_capture="compile"``) and probes the
+        model once against its own cache; a model it does not fit (recurrent layers, or logits that
+        differ) raises ``ValueError``. Otherwise ``decodes_with_shared_prefix`` decides."""
+        if self.config.decode_attention == "static_rows":
+            self._build_static_step()
+            if self.static_rows_refusal:
+                raise ValueError(f"decode_attention='static_rows' is not supported by this model "
+                                 f"({self.static_rows_refusal}); use 'auto', 'shared_prefix' or 'dynamic_cache'")
+            return DecodeLayout.STATIC_ROWS
+        return DecodeLayout.SHARED_PREFIX if self.decodes_with_shared_prefix() else DecodeLayout.DYNAMIC_CACHE
+
+    def _build_static_step(self) -> None:
+        if self.static_step is not None or self.static_rows_refusal is not None:
+            return
+        types = self._layer_types or []
+        if not keeps_token_kv(types):
+            self.static_rows_refusal = f"the model has layers without per-token KV: {sorted(set(types))}"
+            return
+        window = getattr(self.text_config, "sliding_window", None)
+        step = StaticStep(self.model, self.cache_kwarg, types, window, compiled=self.config.decode_capture == "compile")
+        # The probe runs eagerly: a compiled step is built on the first real shapes instead.
+        eager = StaticStep(self.model, self.cache_kwarg, types, window)
+        supported, reason = probe_static_rows(self.model, eager, self.forward, logit_tolerance)
+        if not supported:
+            self.static_rows_refusal = reason
+            return
+        self.static_step = step
+
     def decodes_with_shared_prefix(self) -> bool:
         """Whether branches decode through ``SharedPrefixCache`` (config ``decode_attention``).
 

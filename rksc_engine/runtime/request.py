@@ -1,17 +1,64 @@
-"""A request as the scheduler runs it, from admission to retirement: its branches, rows, cache
-and the KV it holds; and, for a request whose monitor adds branches, the waves it spawns."""
+"""A request as the scheduler runs it, from submission to its end: its status, its branches, rows,
+cache and the KV it holds; and, for a request whose monitor adds branches, the waves it spawns.
+
+Where a request is in its life is its ``status`` (``RequestStatus``), which only the scheduler's
+``RequestRegistry`` changes. What only some requests, or only some phases, use is grouped in small
+parts: ``PrefillProgress`` (a prompt prefilled in passes), ``Branching`` (branches stopped or added
+while it runs) and ``Replay`` (what a request that starts over already did).
+"""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 from ..config import SamplingParams
+from ..kvcache.radix import RadixNode
 from ..kvcache.shared_prefix import SharedPrefixCache
+from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
 from .handle import BranchMonitor, LogitsProcessor, RequestChannel
+from .model_runner import DecodeLayout
+from .prefix_access import Prefilled, PromptSegments
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. The live ones, in the order a request meets them:
+
+    * ``WAITING``: queued for admission: submitted, or put back at the head of the queue after it ran
+      out of memory (a preemption), to start over.
+    * ``ADMITTED``: taken from the queue in this step; its prefill begins once the prompts packed
+      before it are prefilled.
+    * ``PACKED``: its prompt waits in this step's pack, to be prefilled with the others in one forward
+      (or in the decode's own forward).
+    * ``PREFILLING``: its prompt is prefilled in passes, one a step, while the others decode.
+    * ``RUNNING``: its rows decode. A submitted request whose own rows have ended stays ``RUNNING``
+      while the waves its monitor added still decode.
+
+    And the ended ones: ``FINISHED`` (its completions delivered; for a wave, its rows done),
+    ``FAILED`` and ``CANCELLED`` (by its caller).
+    """
+
+    WAITING = "waiting"
+    ADMITTED = "admitted"
+    PACKED = "packed"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def live(self) -> bool:
+        """Whether a request of this status is still the scheduler's to advance."""
+        return self not in ENDED
+
+
+ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
 
 
 @dataclass
@@ -28,9 +75,73 @@ class Branch:
     skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
 
 
+@dataclass
+class PrefillProgress:
+    """A prompt's prefill while it runs in passes, one a step.
+
+    Attributes:
+        passes: The prefill (``Prefiller.prefill_steps``): ``send`` it a pass's token budget and it
+            yields the tokens that pass computed, or returns the ``Prefilled`` prompt after its last.
+        computed_tokens: Tokens its finished passes computed (yielded so far).
+    """
+
+    passes: Generator[int, int | None, Prefilled]
+    computed_tokens: int = 0
+
+
+@dataclass
+class PromptFork:
+    """What a wave of added branches forks off: the prompt's KV exactly as the first wave took it
+    (the segments read in place from the radix cache, or a copy of the batch-1 prompt cache) and
+    the (1, V) logits after the prompt."""
+
+    prompt_kv: PromptSegments | Cache
+    last_logits: torch.Tensor
+
+
+@dataclass
+class Branching:
+    """How the branches of a submitted request may change while it runs (read on the submitted
+    request, never on a wave): branches ended early by its caller or its monitor, and branches its
+    monitor adds (``max_branches > n``), each batch of them decoding as a wave: a member request
+    of its own that shares the owner's branches, generators, channel and radix lock.
+
+    Attributes:
+        monitor: Watches the branches and may stop some or add more.
+        max_branches: Most branches the request may have, added ones included.
+        fork: The prompt's KV and last logits, kept while it runs when it may add branches.
+        live_members: Itself and its waves while they have rows.
+        pending_stop: Branches to end before the next forward.
+        stopped: Whether some branch was stopped (by its caller or its monitor).
+    """
+
+    monitor: BranchMonitor | None = None
+    max_branches: int = 0
+    fork: PromptFork | None = None
+    live_members: int = 0
+    pending_stop: set[int] = field(default_factory=set)
+    stopped: bool = False
+
+
+@dataclass
+class Replay:
+    """What a request that starts over (preempted, or put back in the queue when its prefill ran out
+    of memory) already did, so that doing it again is not seen twice.
+
+    Attributes:
+        admissions: How often it was admitted (counted as a request once).
+        delivered: Per branch, the tokens and characters its stream already delivered: the recomputed
+            branch (the same tokens: same prompt, same seeds) does not deliver them again.
+    """
+
+    admissions: int = 0
+    delivered: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
 @dataclass(eq=False)
 class Request:
-    """A request as the scheduler advances it."""
+    """A request as the scheduler advances it: a submitted request, or a wave of branches its
+    monitor added (``owner`` set)."""
 
     request_id: int
     prompt_ids: list[int]
@@ -40,40 +151,40 @@ class Request:
     stream: bool
     logits_processor: LogitsProcessor | None
     seed: int
+    context_spans: tuple[tuple[int, int], ...] | None = None  # the prompt cut at the chunk separator
+    status: RequestStatus | None = None  # set by the registry only (None until registered)
     # Set at admission:
+    layout: DecodeLayout = DecodeLayout.DYNAMIC_CACHE  # how its branches hold their KV (the runner decides)
+    prefill: PrefillProgress | None = None  # while its prompt is prefilled in passes
+    # Set when it starts decoding:
     branches: list[Branch] = field(default_factory=list)
     active: list[int] = field(default_factory=list)  # active[row] = branch index of that batch row
     generators: list[torch.Generator] = field(default_factory=list)
-    cache: Any = None  # SharedPrefixCache (batched with others) or a transformers DynamicCache (alone)
+    # SharedPrefixCache or StaticRows (batched with others), or a transformers DynamicCache (alone).
+    cache: Cache | StaticRows | None = None
     next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
     max_new: int = 0
     num_cached_tokens: int = 0
     exact: bool = True
-    asks: ASKSDecision | ChunkReuseDecision | None = None
-    segments: tuple[tuple[int, int], ...] | None = None  # the prompt cut at the chunk separator
-    locked_node: Any = None  # the radix node whose path the request reads in place (locked until it ends)
-    prefill: Any = None  # the prompt's prefill while it runs in chunks (engine.prefill_steps)
-    prefill_done: int = 0  # tokens its finished prefill passes computed
-    shared_prefix: bool = False  # decode through SharedPrefixCache (the engine's probe said yes)
+    reuse_decision: ASKSDecision | ChunkReuseDecision | None = None  # what approximate reuse did, if it acted
+    locked_node: RadixNode | None = None  # the radix node whose path the request reads in place (locked until it ends)
     num_private_segments: int = 0  # prompt segments the request holds itself (not read from the radix cache)
-    admissions: int = 0  # how often it was admitted (more than once after a preemption)
-    # After a preemption: per branch, how many tokens and characters its stream already delivered, so
-    # the recomputed branch (the same tokens: same prompt, same seeds) does not deliver them twice.
-    delivered: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Branch control. A request whose monitor may add branches (max_branches > n) keeps its prompt's
-    # KV and last logits (``fork``) while it runs; each added wave decodes as a member request of its
-    # own (``owner`` set) that shares the owner's branches, generators, channel and radix lock.
-    monitor: BranchMonitor | None = None
-    max_branches: int = 0
-    owner: Request | None = None
-    fork: tuple[Any, torch.Tensor] | None = None  # (prompt KV to fork from, (1, V) logits after the prompt)
-    live_members: int = 0  # on an owner: itself and its waves while they have rows
-    pending_stop: set[int] = field(default_factory=set)  # on an owner: branches to end before the next forward
-    branches_stopped: bool = False  # on an owner: some branch was stopped (by its caller or its monitor)
+    owner: Request | None = None  # on a wave: the submitted request it belongs to
+    branching: Branching = field(default_factory=Branching)
+    replay: Replay = field(default_factory=Replay)
+
+    @property
+    def shared_prefix(self) -> bool:
+        """Whether it decodes (or will) through ``SharedPrefixCache``."""
+        return self.layout is DecodeLayout.SHARED_PREFIX
 
     @property
     def shared(self) -> bool:
         return isinstance(self.cache, SharedPrefixCache)
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.cache, StaticRows)
 
     @property
     def head(self) -> Request:
@@ -84,4 +195,4 @@ class Request:
     def preemptible(self) -> bool:
         # Starting over replays every branch from its first token: a monitor would count them twice,
         # and a branch already stopped would run again. Such requests are never the ones preempted.
-        return self.owner is None and self.monitor is None and not self.branches_stopped
+        return self.owner is None and self.branching.monitor is None and not self.branching.stopped

@@ -34,6 +34,9 @@ MIN_ROWS = 2
 # (layers ``view`` their outputs); that strided copy grows with the rows until it costs what the
 # product saves.
 MAX_ROWS = 32
+# Weights smaller than this many elements are left to ``linear``: their product costs microseconds
+# either way, and the transposed result's copy would only add an operator call to every step.
+MIN_WEIGHT_ELEMENTS = 1 << 16
 
 _thread = threading.local()
 
@@ -72,23 +75,25 @@ class WeightLeftLinear(torch.nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
 
-def takes_weight_left(module: Any) -> bool:
+def takes_weight_left(module: Any, min_weight_elements: int | None = None) -> bool:
     """Whether ``install`` would turn ``module`` into a ``WeightLeftLinear``: a plain
     ``torch.nn.Linear`` (no subclass: quantized and adapter layers compute otherwise) with a plain
-    float32 weight on the CPU (no tensor subclass), whose forward no one has replaced on the
-    instance (accelerate's offload hooks do)."""
+    float32 weight of at least ``min_weight_elements`` (default ``MIN_WEIGHT_ELEMENTS``) on the CPU
+    (no tensor subclass), whose forward no one has replaced on the instance (accelerate's offload
+    hooks do)."""
+    smallest = MIN_WEIGHT_ELEMENTS if min_weight_elements is None else min_weight_elements
     return (type(module) is torch.nn.Linear and type(module.weight.data) is torch.Tensor
             and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-            and "forward" not in vars(module))
+            and module.weight.numel() >= smallest and "forward" not in vars(module))
 
 
-def install(model: torch.nn.Module) -> int:
+def install(model: torch.nn.Module, min_weight_elements: int | None = None) -> int:
     """Turn each of ``model``'s linear layers that ``takes_weight_left`` into a ``WeightLeftLinear``.
     Returns how many of its layers are one, including those an earlier call turned (another engine
-    over the same model): 0 for a model on a GPU."""
+    over the same model): 0 for a model on a GPU, or one whose layers are all small."""
     count = 0
     for module in model.modules():
-        if takes_weight_left(module):
+        if takes_weight_left(module, min_weight_elements):
             module.__class__ = WeightLeftLinear
         count += type(module) is WeightLeftLinear
     return count

@@ -60,15 +60,17 @@ class RKSCBranchVoteEvent(BaseEvent):
 
     Attributes:
         num_branches: Branches generated.
-        answer: The winning normalised answer (None when no branch produced text).
-        votes: Normalised answer -> branch count.
+        answer: The winning answer key (None when no branch produced text).
+        votes: Answer key -> branch count (for a clustered vote, each cluster's key -> its size).
         chosen_branch: Index of the branch whose text was returned.
+        vote_method: The vote that ran, ``"exact"`` or ``"cluster"``.
     """
 
     num_branches: int
     answer: str | None
     votes: dict[str, int]
     chosen_branch: int
+    vote_method: str = "exact"
 
     @classmethod
     def class_name(cls) -> str:

@@ -63,6 +63,7 @@ from llama_index.core.types import PydanticProgramMode
 
 from rksc_engine import Completion, RemoteEngine, RKSCEngine, SamplingParams
 from rksc_engine.config import ASKSConfig, EngineConfig
+from rksc_engine.reasoning.answers import VoteConfig, answer_key, resolve_vote
 from rksc_engine.reasoning.cgee import CGEEConfig
 from rksc_engine.reasoning.early_stop import EarlyStopMonitor
 from rksc_engine.reasoning.self_consistency import submit_branches
@@ -90,7 +91,6 @@ from rksc_integrations.llama_index.branches import (
     current_collector,
     decide,
     make_verifier,
-    normalise_answer,
 )
 from rksc_integrations.llama_index.events import (
     RKSCASKSReuseEvent,
@@ -199,8 +199,14 @@ class RKSCLLM(FunctionCallingLLM):
         default=0.7, description="Temperature used when branches > 1 and temperature is 0 (greedy branches would be identical).", gt=0
     )
     answer_key: AnswerKey = Field(
-        default=normalise_answer, exclude=True,
-        description="Maps a branch's text to the answer it votes for (None: no vote). Default normalise_answer.",
+        default=answer_key, exclude=True,
+        description="Maps a branch's text to the answer it votes for (None: no vote). Default "
+        "rksc_engine.reasoning.answer_key (case, punctuation, articles and number formatting normalised).",
+    )
+    vote: Any = Field(
+        default="cluster", exclude=True,
+        description="How branches vote: 'cluster' (default: equivalent free-text answers are grouped before "
+        "counting), 'exact' (equal answer keys only; every early-stop rule applies), or a rksc VoteConfig.",
     )
     verifier: Any = Field(
         default="judge", exclude=True,
@@ -230,6 +236,7 @@ class RKSCLLM(FunctionCallingLLM):
 
     _engine: RKSCEngine | RemoteEngine = PrivateAttr()
     _verifier: Any = PrivateAttr(default=None)
+    _vote: VoteConfig = PrivateAttr(default_factory=VoteConfig)
 
     def __init__(
         self, engine: RKSCEngine | RemoteEngine | None = None, model: str | None = None, *, device: str = "auto",
@@ -252,6 +259,7 @@ class RKSCLLM(FunctionCallingLLM):
         self._params({})  # a bad field combination fails here, not at the first call
         if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
+        self._vote = resolve_vote(self.vote)
         if isinstance(engine, RemoteEngine):
             if self.reuse_retrieved_context:
                 raise ValueError("reuse_retrieved_context=True reuses KV in a local engine's cache; a RemoteEngine's "
@@ -407,7 +415,7 @@ class RKSCLLM(FunctionCallingLLM):
             emit(RKSCEarlyStopEvent(**decision.early_stop))
         emit(RKSCBranchVoteEvent(
             num_branches=decision.num_branches, answer=decision.answer, votes=decision.votes,
-            chosen_branch=decision.chosen_branch,
+            chosen_branch=decision.chosen_branch, vote_method=decision.vote.method if decision.vote else "exact",
         ))
         emit(RKSCCGEESkipEvent(skipped=decision.cgee_skipped, reason=decision.cgee_reason, p=decision.p, lead=decision.lead))
         if decision.verified:
@@ -430,7 +438,7 @@ class RKSCLLM(FunctionCallingLLM):
             return self._free_tool_turn(prompt, params, completion)
         if n == 1:
             return self._branches_piece(prompt, [self._engine.generate(prompt.prompt, params)], 1, collector)
-        monitor = branch_monitor(collector, n, self.answer_key, params)
+        monitor = branch_monitor(collector, n, self.answer_key, params, self._vote)
         completions = submit_branches(self._engine, prompt.prompt, n, params, monitor).result()
         return self._branches_piece(prompt, completions, n, collector, monitor)
 
@@ -441,7 +449,7 @@ class RKSCLLM(FunctionCallingLLM):
         params, n = self._params(kwargs)
         if prompt.tools is not None or prompt.output_schema is not None:
             return await run_in_thread(self._generate, prompt, kwargs, collector)
-        monitor = branch_monitor(collector, n, self.answer_key, params)
+        monitor = branch_monitor(collector, n, self.answer_key, params, self._vote)
         completions = await submit_branches(self._engine, prompt.prompt, n, params, monitor)
         if n == 1:
             return self._branches_piece(prompt, completions, n, collector)
@@ -455,7 +463,8 @@ class RKSCLLM(FunctionCallingLLM):
             completion = completions[0]
             return _Piece(completion.text, completion.text, completion, self._report(completion, 1))
         decision = decide(completions, self.answer_key, self._cgee(), question=self._question(prompt.prompt),
-                          verifier=self._verifier, monitor=monitor)
+                          verifier=self._verifier, monitor=monitor, vote=self._vote,
+                          query=collector.query if collector is not None else None)
         completion = completions[decision.chosen_branch]
         extra = self._report(completion, n)
         self._report_decision(decision)

@@ -71,4 +71,4 @@ def test_rksc_ask_prints_branch_answers_majority_and_cache_stats():
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("branch ") == 3
     assert "Majority vote:" in out.stdout and "Answer:" in out.stdout and "CGEE:" in out.stdout
-    assert "Prompt tokens computed:" in out.stdout
+    assert "Branches' prompt:" in out.stdout and "verifier's prompts:" in out.stdout

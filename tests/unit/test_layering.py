@@ -45,9 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("evaluation", ("rksc_engine.evaluation",)),
     ("facade", ("rksc_engine.engine", "rksc_engine.remote", "rksc_engine.remote_branches", "rksc_engine.remote_probe",
                 "rksc_engine.remote_wire")),
-    # the package's names, and the modules kept at their old paths so that documented imports still work
-    ("package", ("rksc_engine.__init__", "rksc_engine.answers", "rksc_engine.cgee", "rksc_engine.datasets",
-                 "rksc_engine.early_stop", "rksc_engine.rag_workload")),
+    # the package's names
+    ("package", ("rksc_engine.__init__",)),
     ("adapters", ("rksc_integrations", "rksc_serve", "rksc_bench")),
     ("command", ("rksc_cli",)),
 ]

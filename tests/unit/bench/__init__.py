@@ -1,0 +1,1 @@
+"""rksc_bench and the scripts in benchmarks/."""

@@ -1,0 +1,1 @@
+"""rksc_cli: ``rksc ask``."""

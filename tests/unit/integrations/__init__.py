@@ -1,0 +1,1 @@
+"""rksc_integrations: the LangChain and LlamaIndex adapters."""

@@ -1,0 +1,1 @@
+"""rksc_engine.kvcache: the radix prefix cache, shared-prefix attention, the suffix pool, ASKS and chunk reuse."""

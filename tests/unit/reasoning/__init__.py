@@ -1,0 +1,1 @@
+"""rksc_engine.reasoning: self-consistency, CGEE, early stop, tree search and the votes."""

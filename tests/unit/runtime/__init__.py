@@ -1,0 +1,1 @@
+"""rksc_engine.runtime: the scheduler, prefill, sampling, loading, cancellation and its soaks."""

@@ -1,0 +1,182 @@
+"""Prompts admitted in one step are prefilled in one forward: same tokens, same reuse, faults contained."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MIXED_LENGTH_PROMPTS, assert_same_work, engine_hf_greedy, make_char_tokenizer, make_tiny_model
+
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.config import SchedulerConfig
+
+PROMPTS = MIXED_LENGTH_PROMPTS
+
+
+def engine_for(seed: int = 0, packed: bool = True) -> RKSCEngine:
+    return RKSCEngine(make_tiny_model(seed), make_char_tokenizer(),
+                      EngineConfig(scheduler=SchedulerConfig(packed_prefill=packed)))
+
+
+hf_greedy = engine_hf_greedy
+
+
+def run_together(engine: RKSCEngine, jobs) -> list[list[tuple[int, ...]]]:
+    """Submit every job before any step runs, so one step admits them all."""
+    with engine.exclusive():
+        handles = [engine.submit(prompt, n, params) for prompt, n, params in jobs]
+        return [[c.token_ids for c in h.result()] for h in handles]
+
+
+def packed_prefills(engine: RKSCEngine) -> int:
+    return int(engine.stats().extra.get("packed_prefills", 0))
+
+
+@pytest.mark.parametrize("model_seed", [0, 1])
+def test_prompts_prefilled_in_one_forward_decode_what_transformers_generate_decodes(model_seed):
+    engine = engine_for(model_seed)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=16)) for p in PROMPTS])
+    assert packed_prefills(engine) == 1, "the five prompts were not prefilled together"
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 16), prompt
+
+
+def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_count_the_same_work():
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=20, seed=5)
+    jobs = [(p, 1 + i % 3, sampled if i % 2 else SamplingParams(max_new_tokens=20)) for i, p in enumerate(PROMPTS)]
+    results, stats = [], []
+    for packed in (True, False):
+        engine = engine_for(3, packed=packed)
+        results.append(run_together(engine, jobs))
+        stats.append(engine.stats())
+    assert results[0] == results[1]
+    assert packed_prefills(engine) == 0, "packed_prefill=False still packed"
+    assert_same_work(stats[0], stats[1])
+
+
+def test_a_packed_prompt_reuses_its_cached_prefix_and_is_cached_for_the_next_call():
+    engine = engine_for(0)
+    base = "A shared preamble that several prompts start with. "
+    engine.generate(base + "first", SamplingParams(max_new_tokens=1))  # caches the preamble
+    prompts = [base + "second question", base + "third one here", "unrelated"]
+    before = engine.stats()
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=12)) for p in prompts])
+    after = engine.stats()
+    assert packed_prefills(engine) == 1
+    reused = after.prompt_tokens_reused - before.prompt_tokens_reused
+    assert reused >= 2 * len(engine.encode(base)) - 2, "the packed prompts recomputed their cached preamble"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 12), prompt
+    # Each packed prompt went into the radix cache whole: asking again computes one token.
+    computed = engine.stats().prompt_tokens_computed
+    engine.generate(prompts[1], SamplingParams(max_new_tokens=1))
+    assert engine.stats().prompt_tokens_computed - computed == 1
+
+
+def test_prompts_sharing_an_uncached_prefix_are_not_packed_together_and_the_later_one_reuses_it():
+    engine = engine_for(0)
+    shared = "Exactly the same long opening for both of these prompts. "
+    prompts = [shared + "one", shared + "two"]
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    stats = engine.stats()
+    assert packed_prefills(engine) == 0
+    assert stats.prompt_tokens_reused >= len(engine.encode(shared)) - 1, "the second prompt recomputed the opening"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
+
+
+def test_a_failing_packed_forward_falls_back_to_one_prefill_each_and_leaves_no_lock(monkeypatch):
+    engine = engine_for(0)
+    want = [hf_greedy(engine, p, 10) for p in PROMPTS]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("packed forward failed")
+
+    monkeypatch.setattr(engine.scheduler.prefiller.packing, "packed_pass", broken)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
+    assert [tokens[0] for tokens in got] == want
+    stats = engine.stats()
+    assert stats.extra.get("packed_prefill_fallbacks") == 1
+    assert packed_prefills(engine) == 0
+    assert stats.prefills == len(PROMPTS)
+    engine.clear_cache()
+    assert engine.stats().cache_tokens == 0, "a node stayed locked after the failed packed forward"
+    # A model that cannot take a packed pass is not asked again.
+    assert engine.scheduler.prefiller.packing.packs_prompts() is False
+    assert stats.extra.get("packed_prefill_disabled") == 1
+    run_together(engine, [(p, 1, SamplingParams(max_new_tokens=2)) for p in PROMPTS])
+    assert engine.stats().extra.get("packed_prefill_fallbacks") == 1
+
+
+def test_a_packed_forward_whose_logits_disagree_with_a_prompt_alone_turns_packing_off(monkeypatch):
+    engine = engine_for(1)
+    want = [hf_greedy(engine, p, 10) for p in PROMPTS]
+    packing = engine.scheduler.prefiller.packing
+    honest = packing.packed_pass
+
+    def ignores_the_mask(prompts, matches):  # stands in for a model that mixes the packed prompts
+        results = honest(prompts, matches)
+        wrong = results[0].last_logits.clone()
+        wrong[0, 5] += 100.0  # a token greedy decoding would now pick
+        results[0].last_logits = wrong
+        return results
+
+    monkeypatch.setattr(packing, "packed_pass", ignores_the_mask)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=10)) for p in PROMPTS])
+    assert [tokens[0] for tokens in got] == want, "a mismatched packed prefill reached the tokens"
+    stats = engine.stats()
+    assert stats.extra.get("packed_prefill_disabled") == 1
+    assert stats.extra.get("packed_prefill_fallbacks") == 1
+    assert packing.packs_prompts() is False
+
+
+def test_packed_prefill_must_be_a_bool():
+    with pytest.raises(TypeError, match="scheduler.packed_prefill"):
+        SchedulerConfig(packed_prefill=1)
+
+
+def test_an_interrupt_in_the_packed_forward_fails_every_admitted_request_and_the_engine_goes_on(monkeypatch):
+    engine = engine_for(0)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.scheduler.prefiller.packing, "packed_pass", interrupted)
+    # "Another one" shares an uncached "A" with the prompt before it, so it arrives while the pack of
+    # the first four is prefilled: it is in no list at that moment.
+    with engine.exclusive():
+        handles = [engine.submit(p, 1, SamplingParams(max_new_tokens=4)) for p in PROMPTS]
+        with pytest.raises(KeyboardInterrupt):
+            engine.scheduler.step()
+    assert all(handle.done() for handle in handles), "a request admitted in the interrupted step was left waiting"
+    for handle in handles:
+        with pytest.raises(Exception) as failure:
+            handle.result(timeout=30)
+        assert not isinstance(failure.value, TimeoutError)
+    monkeypatch.undo()
+    assert engine.generate("x", SamplingParams(max_new_tokens=3)).token_ids == hf_greedy(engine, "x", 3)
+
+
+def test_context_groups_count_a_shared_cached_prefix_once_and_cut_at_the_bound():
+    from rksc_engine.runtime.packed_prefill import context_groups
+
+    node_a, node_b = object(), object()
+    prompts = [[0] * 40, [0] * 40, [0] * 40, [0] * 20, [0] * 35]
+    matches = [(None, 30, node_a), (None, 30, node_a), (None, 30, node_a), (None, 0, None), (None, 30, node_b)]
+    # 30 shared + 3 x 10 new = 60; the fourth prompt's 20 would make 80.
+    assert context_groups(prompts, matches, 70) == [[0, 1, 2], [3, 4]]
+    assert context_groups(prompts, matches, None) == [[0, 1, 2, 3, 4]]
+    assert context_groups(prompts, matches, 1) == [[0], [1], [2], [3], [4]]
+
+
+def test_a_pack_over_the_step_budget_of_context_runs_as_several_forwards_with_the_same_tokens():
+    engine = RKSCEngine(make_tiny_model(0), make_char_tokenizer(),
+                        EngineConfig(scheduler=SchedulerConfig(max_prefill_tokens=80)))
+    base = "A preamble of some length, cached first. "
+    engine.generate(base + "first", SamplingParams(max_new_tokens=1))
+    prompts = [base + "second q", base + "third q", base + "fourth q", base + "zz fifth"]
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    # Four prompts of about 8 new tokens fit the budget, but not their context in one forward of 80:
+    # the preamble is 41 tokens, and "fourth" matches one more cached token ("f" of "first"), so
+    # its preamble is a different prefix and is counted apart.
+    assert packed_prefills(engine) >= 2
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt

@@ -1,0 +1,352 @@
+"""Static decode rows: the pool's slots, and a step over them against the model's own cache.
+
+Every attention family of the matrix decodes token for token as it does through ``transformers``'
+``DynamicCache`` (one request at a time), with requests of different prompt lengths sharing the
+step, a hole left by a finished request, and rows moved by ``compact``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from rksc_bench.families import FAMILIES, make_family_model
+from rksc_engine.kvcache.cache_layers import keeps_token_kv, layer_types, new_kv_cache
+from rksc_engine.kvcache.static_rows import CAPACITY_STEP, StaticRowPool
+from rksc_engine.runtime.static_decode import StaticStep
+
+ATTENTION_FAMILIES = [f.name for f in FAMILIES if not f.recurrent]
+# In the fast tier: full attention, sliding windows with soft-capping, sliding windows with sinks.
+FAST_FAMILIES = ("llama3", "gemma2", "gpt-oss")
+FAMILY_CASES = [pytest.param(name, marks=() if name in FAST_FAMILIES else pytest.mark.slow)
+                for name in ATTENTION_FAMILIES]
+
+
+def _pool_with(rows_per_request: list[int], length: int = 4) -> tuple[StaticRowPool, list]:
+    pool = StaticRowPool(torch.device("cpu"), torch.float32)
+    pool.reserve(sum(rows_per_request), 16, [(2, 4), (2, 4)])
+    kv = [(torch.ones(1, 2, length, 4), torch.ones(1, 2, length, 4)) for _ in range(2)]
+    handles = []
+    for rows in rows_per_request:
+        handle = pool.rows(rows)
+        pool.write_prompt(handle.slots, kv)
+        handles.append(handle)
+    return pool, handles
+
+
+def test_slots_are_taken_lowest_first_and_top_drops_past_free_slots_at_the_end():
+    pool, (a, b, c) = _pool_with([2, 1, 2])
+    assert (a.slots, b.slots, c.slots) == ([0, 1], [2], [3, 4])
+    assert pool.top == 5
+    c.release()
+    assert pool.top == 3 and pool.num_used == 3
+    a.keep([1])  # slot 0 becomes a hole below top
+    assert a.slots == [1] and pool.top == 3
+    d = pool.rows(2)
+    assert d.slots == [0, 3], "the hole is reused before top grows"
+
+
+def test_released_slots_are_zeroed_so_a_stale_nan_never_reaches_a_masked_product():
+    pool, (a,) = _pool_with([1])
+    pool.keys[0][0, :, 10] = float("nan")
+    a.release()
+    assert not torch.isnan(pool.keys[0]).any()
+    assert pool.lengths.tolist()[0] == 0
+
+
+def test_compact_moves_the_highest_rows_into_holes_and_renames_their_owners():
+    pool, (a, b, c) = _pool_with([2, 1, 2], length=3)
+    pool.keys[1][4, 0, 2, 0] = 7.0  # a mark on c's second row
+    a.release()
+    assert pool.top == 5
+    moved = pool.compact()
+    assert moved == 2 and pool.top == 3
+    assert b.slots == [2] and sorted(c.slots) == [0, 1]
+    assert pool.keys[1][c.slots[1], 0, 2, 0] == 7.0, "a moved row keeps its KV"
+    assert pool.lengths[:3].tolist() == [3, 3, 3]
+    assert float(pool.keys[1][3:].abs().sum()) == 0.0, "the slots left behind are zero"
+
+
+def test_reserve_grows_slots_and_capacity_and_keeps_what_is_held():
+    pool, (a,) = _pool_with([1])
+    pool.keys[0][0, 1, 3, 2] = 5.0
+    pool.reserve(3, CAPACITY_STEP + 1)
+    assert pool.num_slots == 4 and pool.capacity == 2 * CAPACITY_STEP
+    assert pool.keys[0][0, 1, 3, 2] == 5.0 and pool.length(0) == 4
+
+
+def _plain_greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    cache, ids, out = DynamicCache(config=model.config), prompt, []
+    with torch.inference_mode():
+        for _ in range(steps):
+            token = int(model(ids, cache=cache, use_cache=True).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def _static_greedy(model, prompts: list[torch.Tensor], steps: int, finish_first_after: int | None = None,
+                   compiled: bool = False) -> list[list[int]]:
+    """Greedy decoding of ``prompts`` together over static rows; the first request stops after
+    ``finish_first_after`` tokens (leaving a hole), and the pool is compacted right after."""
+    config = model.config
+    text = config.get_text_config()
+    step = StaticStep(model, "cache", layer_types(config), getattr(text, "sliding_window", None), compiled=compiled)
+    pool = StaticRowPool(torch.device("cpu"), torch.float32)
+    handles, outs = [], [[] for _ in prompts]
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            cache = new_kv_cache(config)
+            first = int(model(prompt, cache=cache, use_cache=True).logits[0, -1].argmax())
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+            pool.reserve(pool.top + 1, prompt.shape[1] + steps + 1, [(k.shape[1], k.shape[3]) for k, _ in kv])
+            handle = pool.rows(1)
+            pool.write_prompt(handle.slots, kv)
+            pool.next_tokens[handle.slots[0]] = first
+            handles.append(handle)
+            outs[i].append(first)
+        live = list(range(len(prompts)))
+        for t in range(1, steps):
+            if finish_first_after is not None and t == finish_first_after:
+                handles[0].release()
+                live.remove(0)
+                pool.compact()
+            logits = step.logits(pool, pool.next_tokens, torch.float32)
+            tokens = logits.argmax(-1)
+            slots = [handles[i].slots[0] for i in live]
+            mask = torch.zeros(pool.top, dtype=torch.long)
+            mask[slots] = 1
+            pool.advance(mask, slots)
+            for i, slot in zip(live, slots):
+                outs[i].append(int(tokens[slot]))
+                pool.next_tokens[slot] = tokens[slot]
+    return outs
+
+
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_static_rows_decode_as_the_models_own_cache_for_every_attention_family(name):
+    model = make_family_model(name)
+    assert keeps_token_kv(model.config)
+    generator = torch.Generator().manual_seed(1)
+    # Lengths past the families' sliding window (12) and short of it, so masks and windows differ by row.
+    prompts = [torch.randint(3, 100, (1, length), generator=generator) for length in (5, 23, 40, 17)]
+    steps = 12
+    got = _static_greedy(model, prompts, steps, finish_first_after=6)
+    want = [_plain_greedy(model, p, steps) for p in prompts]
+    assert got[0] == want[0][:6]
+    assert got[1:] == want[1:]
+
+
+def test_static_step_operator_calls_do_not_grow_with_the_requests():
+    from rksc_bench.step_overhead import OperatorCounter
+
+    model = make_family_model("llama3")
+    config = model.config
+    step = StaticStep(model, "cache", layer_types(config), None)
+    counts = {}
+    for rows in (2, 16):
+        pool = StaticRowPool(torch.device("cpu"), torch.float32)
+        pool.reserve(rows, 64, [(2, 16)] * config.num_hidden_layers)
+        for r in range(rows):
+            handle = pool.rows(1)
+            kv = [(torch.randn(1, 2, 3 + r, 16), torch.randn(1, 2, 3 + r, 16))] * config.num_hidden_layers
+            pool.write_prompt(handle.slots, kv)
+        counter = OperatorCounter()
+        with counter:
+            step.logits(pool, pool.next_tokens, torch.float32)
+        counts[rows] = counter.calls
+    assert counts[16] == counts[2], f"a step of 16 requests made {counts[16]} operator calls, of 2 {counts[2]}"
+
+
+# -- through the engine ------------------------------------------------------------------------------
+from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, no_locked_nodes  # noqa: E402
+
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams  # noqa: E402
+from rksc_engine.runtime.model_runner import DecodeLayout  # noqa: E402
+
+STATIC = EngineConfig(decode_attention="static_rows")
+PROMPT = "System: answer in one line.\nContext: " + "north river stone " * 3 + "\nQ: where?\nA:"
+OTHER_PROMPTS = ["A different and somewhat longer request, to batch with the first one.", "hi"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_char_tokenizer()
+
+
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_every_attention_family_decodes_greedy_as_transformers_generate_over_static_rows(name, tokenizer):
+    engine = RKSCEngine(make_family_model(name), tokenizer, STATIC)
+    params = SamplingParams(max_new_tokens=12)
+    prompts = [PROMPT, *MIXED_LENGTH_PROMPTS[:3]]
+    with engine.exclusive():  # admitted together: they decode in one forward
+        handles = [engine.submit(p, 1, params) for p in prompts]
+    got = [h.result()[0].token_ids for h in handles]
+    assert got == [engine_hf_greedy(engine, p, 12) for p in prompts]
+    assert engine.runner.static_step is not None and engine.runner.static_step.num_steps > 0
+    assert engine.scheduler.kv.static_pool.num_used == 0, "every row's slot was freed"
+    assert no_locked_nodes(engine)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2", "gpt-oss", "mistral-sliding"])
+def test_a_seeded_static_branch_is_the_same_alone_among_siblings_and_among_other_requests(name, tokenizer):
+    model = make_family_model(name)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, seed=21)
+    together = RKSCEngine(model, tokenizer, STATIC)
+    handles = [together.submit(PROMPT, 4, sampled)] + [together.submit(p, 2, sampled) for p in OTHER_PROMPTS]
+    results = [[c.token_ids for c in handle.result()] for handle in handles]
+    assert len(set(results[0])) > 1, "sampled siblings should differ"
+    for branch in (0, 3):
+        alone = RKSCEngine(model, tokenizer, STATIC).generate(
+            PROMPT, SamplingParams(max_new_tokens=12, temperature=0.9, seed=21 + branch))
+        assert results[0][branch] == alone.token_ids, f"branch {branch} changed among other requests"
+    shared = RKSCEngine(model, tokenizer, EngineConfig(decode_attention="shared_prefix"))
+    assert [c.token_ids for c in shared.generate_branches(PROMPT, 4, sampled)] == results[0]
+    assert [c.token_ids for c in shared.generate_branches(OTHER_PROMPTS[0], 2, sampled)] == results[1]
+
+
+def test_rows_that_finish_at_different_steps_leave_holes_that_compact_and_tokens_that_stay_exact(tokenizer):
+    model = make_family_model("qwen2.5")
+    engine = RKSCEngine(model, tokenizer, STATIC)
+    work = [(p, 1, SamplingParams(max_new_tokens=t)) for p, t in zip(MIXED_LENGTH_PROMPTS, (3, 14, 6, 20, 9))]
+    with engine.exclusive():
+        handles = [engine.submit(p, n, params) for p, n, params in work]
+    got = [h.result()[0].token_ids for h in handles]
+    for (prompt, _, params), tokens in zip(work, got):
+        assert tokens == engine_hf_greedy(engine, prompt, params.max_new_tokens)
+    pool = engine.scheduler.kv.static_pool
+    assert pool.num_used == 0 and pool.top == 0
+
+
+class _StopOneAddTwo:
+    """After each branch's third token, stops branch 1 and adds two branches (once each)."""
+
+    def __init__(self):
+        self.acted = False
+
+    def observe(self, events):
+        from rksc_engine.results import BranchControl
+
+        if not self.acted and any(e.num_tokens == 3 for e in events):
+            self.acted = True
+            return BranchControl(stop=frozenset({1}), add=2)
+        return None
+
+
+def test_a_monitor_that_stops_and_adds_branches_decodes_the_same_over_static_rows(tokenizer):
+    model = make_family_model("llama3")
+    results = {}
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5)
+    for layout in ("shared_prefix", "static_rows"):
+        engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention=layout))
+        with engine.exclusive():  # with another request in the batch, so the waves share steps with it
+            other = engine.submit(OTHER_PROMPTS[0], 2, params)
+            handle = engine.submit(PROMPT, 3, params, monitor=_StopOneAddTwo(), max_branches=5)
+        results[layout] = ([(c.token_ids, c.finish_reason) for c in handle.result()],
+                           [c.token_ids for c in other.result()])
+        assert engine.scheduler.kv.static_pool.num_used == 0
+    branches, _ = results["static_rows"]
+    assert len(branches) == 5 and branches[1][1] == "cancelled"
+    assert results["static_rows"] == results["shared_prefix"]
+
+
+def test_out_of_memory_in_a_static_step_preempts_a_request_that_then_decodes_the_same(tokenizer, monkeypatch):
+    from rksc_engine.kvcache.memory import ForwardOutOfMemoryError
+
+    model = make_family_model("llama3")
+    engine = RKSCEngine(model, tokenizer, STATIC)
+    real = engine.runner.decode_static
+    calls = {"n": 0}
+
+    def failing(pool):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ForwardOutOfMemoryError("injected: out of memory in a static step")
+        return real(pool)
+
+    monkeypatch.setattr(engine.runner, "decode_static", failing)
+    params = SamplingParams(max_new_tokens=10)
+    with engine.exclusive():
+        handles = [engine.submit(p, 1, params) for p in MIXED_LENGTH_PROMPTS[:3]]
+    got = [h.result()[0].token_ids for h in handles]
+    assert engine.stats().extra.get("preemptions") == 1
+    assert got == [engine_hf_greedy(engine, p, 10) for p in MIXED_LENGTH_PROMPTS[:3]]
+    assert engine.scheduler.kv.static_pool.num_used == 0
+
+
+def test_a_model_with_recurrent_layers_is_refused_static_rows_by_name(tokenizer):
+    engine = RKSCEngine(make_family_model("lfm2"), tokenizer, STATIC)
+    with pytest.raises(ValueError, match="static_rows"):
+        engine.generate("hi", SamplingParams(max_new_tokens=2))
+    assert engine.runner.decode_layout is not None
+
+
+def test_decode_capture_is_validated_and_compile_implies_static_rows():
+    assert EngineConfig(decode_capture="compile").decode_attention == "static_rows"
+    with pytest.raises(ValueError, match="decode_capture"):
+        EngineConfig(decode_capture="cuda")
+    with pytest.raises(ValueError, match="static_rows"):
+        EngineConfig(decode_capture="compile", decode_attention="shared_prefix")
+    with pytest.raises(TypeError, match="decode_capture"):
+        EngineConfig(decode_capture=None)
+
+
+def test_the_runner_reports_the_layout_it_chose(tokenizer):
+    engine = RKSCEngine(make_family_model("llama3"), tokenizer, STATIC)
+    assert engine.runner.decode_layout() is DecodeLayout.STATIC_ROWS
+    auto = RKSCEngine(make_family_model("llama3"), tokenizer)
+    assert auto.runner.decode_layout() is DecodeLayout.SHARED_PREFIX
+
+
+def test_a_finished_single_branch_answer_is_cached_from_its_static_row_for_the_next_turn(tokenizer):
+    engine = RKSCEngine(make_family_model("llama3"), tokenizer, STATIC)
+    params = SamplingParams(max_new_tokens=8)
+    first = engine.generate(PROMPT, params)
+    follow = PROMPT + tokenizer.decode(list(first.token_ids)) + " and then?"
+    ids = engine.encode(PROMPT) + list(first.token_ids)[:-1]
+    assert engine.cached_prefix_length(ids) == len(ids), "the prompt and the answer's fed tokens are cached"
+    again = engine.generate(follow, params)
+    assert again.token_ids == engine_hf_greedy(engine, follow, 8)
+
+
+def test_static_step_operator_calls_per_step_do_not_grow_with_the_requests_and_stay_near_generate():
+    """Counted per decode step through the engine: 16 independent requests cost what one request of
+    16 siblings costs, and at most 1.25x ``transformers``' own step on the same rows."""
+    from rksc_bench.families import char_tokenizer
+    from rksc_bench.step_overhead import engine_run, generate_run, no_end_of_text, per_step, workload
+
+    model = make_family_model("llama3")
+    prompts = [f"Question {i}: a shelf holds {i + 3} boxes of {2 * i + 5} books. How many?" for i in range(16)]
+    with no_end_of_text(model, char_tokenizer()) as quiet:
+        engine = RKSCEngine(model, quiet, STATIC)
+        counts = {layout: per_step(engine_run(engine, workload(layout, 16, prompts)), 3, 7, count_python=False)
+                  for layout in ("siblings", "independent", "mix")}
+        generate = per_step(generate_run(model, quiet, workload("independent", 16, prompts)), 3, 7,
+                            count_python=False)
+    siblings = counts["siblings"].operator_calls
+    for layout, cost in counts.items():
+        assert cost.operator_calls <= 1.2 * siblings, f"{layout}: {cost.operator_calls} against {siblings}"
+        assert cost.operator_calls <= 1.25 * generate.operator_calls, (
+            f"{layout}: {cost.operator_calls} against generate's {generate.operator_calls}")
+
+
+@pytest.mark.slow
+def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tokenizer):
+    """``decode_capture="compile"``: greedy requests of different lengths, one of which finishes
+    early (a new shape of rows), and seeded siblings, equal the eager static rows and ``transformers``."""
+    model = make_family_model("llama3")
+    compiled = RKSCEngine(model, tokenizer, EngineConfig(decode_capture="compile"))
+    eager = RKSCEngine(model, tokenizer, STATIC)
+    assert compiled.runner.weight_left_layers == 0
+    work = [(p, 1, SamplingParams(max_new_tokens=t)) for p, t in zip(MIXED_LENGTH_PROMPTS[:3], (4, 10, 10))]
+    work.append((PROMPT, 3, SamplingParams(max_new_tokens=10, temperature=0.9, seed=2)))
+    got = {}
+    for name, engine in (("compiled", compiled), ("eager", eager)):
+        with engine.exclusive():
+            handles = [engine.submit(p, n, params) for p, n, params in work]
+        got[name] = [[c.token_ids for c in h.result()] for h in handles]
+    assert got["compiled"] == got["eager"]
+    for (prompt, _, params), tokens in zip(work[:3], got["compiled"][:3]):
+        assert tokens[0] == engine_hf_greedy(compiled, prompt, params.max_new_tokens)
+    assert compiled.runner.static_step.compiled and compiled.runner.static_step.num_steps > 0

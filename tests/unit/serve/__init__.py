@@ -1,0 +1,1 @@
+"""rksc_serve (the OpenAI-compatible server, its cluster) and RemoteEngine, its client."""

@@ -1,0 +1,1 @@
+"""rksc_engine.structured: tools, constrained decoding and JSON schemas."""
