@@ -13,16 +13,20 @@ examples), each question answered by ``reason`` with ``--branches`` seeded branc
                         (every branch weighs 1), ignores per-request seeds and decodes one request at
                         a time.
 
-Counts, not timings. Per engine and rule: decode tokens (``server``: what the engine decoded, from its
-own counters, for the local engine and ``rksc serve``; ``client``: what the ``RemoteEngine`` received,
+Per engine and rule: decode tokens (``server``: what the engine decoded, from its own counters, for
+the local engine and ``rksc serve``; ``client``: what the ``RemoteEngine`` received,
 ``usage.completion_tokens`` of finished branches plus the tokens a closed branch had streamed, which
 misses what a server decodes between the close and noticing it), their share of ``early_stop=None``'s,
-branches cancelled, answers equal to the same engine's ``early_stop=None`` answer, and right answers.
+the wall time of the ``reason`` calls (summed over the questions) and its share of
+``early_stop=None``'s, branches cancelled, answers equal to the same engine's ``early_stop=None``
+answer, and right answers. The rules run one after another on each question, so a slow spell of the
+machine falls on one rule: take timings under the bench lock (``start_run`` holds it).
 The verifier is a constant scorer, so only the branches' tokens are counted (the log-prob judge's
 one token per candidate, the local judge's forward pass, are not). ``rksc serve``'s seeded branches
 are the local engine's; ``transformers serve``'s are other samples, and its answers differ for that.
 
-    nice -n 10 python benchmarks/remote_early_stop.py --per-level 2 --md docs/bench/remote_reasoning_table.md
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/remote_early_stop.py --per-level 2 \
+        --md docs/bench/remote_early_stop.md
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def run_arm(name: str, engine: Any, problems: list, shots: list, args: Any,
             server_tokens: Callable[[], int] | None) -> dict[str, Any]:
     """Every question under every rule on ``engine``; per rule the counts the module docstring lists."""
     rows: dict[str, dict[str, Any]] = {rule: {"server_decode_tokens": 0 if server_tokens else None,
-                                              "client_decode_tokens": 0, "branches_cancelled": 0, "right": 0,
+                                              "client_decode_tokens": 0, "wall_s": 0.0, "branches_cancelled": 0,
+                                              "right": 0,
                                               "same_answer_as_none": 0, "questions": 0, "server_limits": []}
                                        for rule in RULES}
     if callable(getattr(engine, "capabilities", None)):
@@ -75,10 +80,13 @@ def run_arm(name: str, engine: Any, problems: list, shots: list, args: Any,
         for rule, early_stop in RULES.items():
             before_server = server_tokens() if server_tokens else 0
             before_client = settled(engine).decode_tokens
-            result = engine.reason(problem.question, n=args.branches, params=params,
-                                   prompt=few_shot_messages(problem.question, shots), verifier=constant_scores,
-                                   early_stop=early_stop)
+            messages = few_shot_messages(problem.question, shots)
+            start = time.perf_counter()
+            result = engine.reason(problem.question, n=args.branches, params=params, prompt=messages,
+                                   verifier=constant_scores, early_stop=early_stop)
+            wall_s = time.perf_counter() - start
             row = rows[rule]
+            row["wall_s"] += wall_s
             if server_tokens:
                 row["server_decode_tokens"] += server_tokens() - before_server
             row["client_decode_tokens"] += (settled(engine).decode_tokens - before_client if name != "local"
@@ -96,18 +104,20 @@ def run_arm(name: str, engine: Any, problems: list, shots: list, args: Any,
 def markdown(arms: dict[str, dict[str, dict[str, Any]]], args: Any) -> str:
     lines = [f"Ladder: {args.per_level} question(s) per level 1-4, {args.shots} shots, {args.branches} branches, "
              f"max {args.max_new_tokens} new tokens, temperature {args.temperature}, seed {args.seed}.", "",
-             "| engine | early_stop | decode tokens (server) | decode tokens (client) | vs none | branches cancelled "
-             "| same answer as none | right |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| engine | early_stop | decode tokens (server) | decode tokens (client) | vs none | wall s | vs none "
+             "| branches cancelled | same answer as none | right |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in arms.items():
         if "not_run" in rows:
-            lines.append(f"| {name} | not run: {rows['not_run']} | | | | | | |")
+            lines.append(f"| {name} | not run: {rows['not_run']} | | | | | | | | |")
             continue
         base = rows["none"]["server_decode_tokens"] or rows["none"]["client_decode_tokens"]
         for rule, row in rows.items():
             tokens = row["server_decode_tokens"] if row["server_decode_tokens"] is not None else row["client_decode_tokens"]
             server = "" if row["server_decode_tokens"] is None else str(row["server_decode_tokens"])
+            wall_share = row["wall_s"] / rows["none"]["wall_s"] if rows["none"]["wall_s"] else float("nan")
             lines.append(f"| {name} | {rule} | {server} | {row['client_decode_tokens']} | {tokens / base:.2f} | "
+                         f"{row['wall_s']:.1f} | {wall_share:.2f} | "
                          f"{row['branches_cancelled']} | {row['same_answer_as_none']}/{row['questions']} | "
                          f"{row['right']}/{row['questions']} |")
     limits = {line for rows in arms.values() if "not_run" not in rows for line in rows["none"]["server_limits"]}

@@ -495,8 +495,9 @@ class RemoteEngine:
 
     def _read_answer(self, response: Any, call: _Call, path: str, n: int, params: SamplingParams,
                      stream: bool) -> tuple[list[Completion], dict | None]:
-        """Assemble the answer, pushing each delta as a ``StreamChunk`` when the caller streams; then
-        each branch's last chunk, with its ``Completion``, once the usage is known."""
+        """Assemble the answer; when the caller streams, push each delta as a ``StreamChunk`` and then
+        each branch's last chunk, with its ``Completion``, once the usage is known (an answer not
+        streamed pushes no chunk, as a local engine's: ``handle.result()`` would spin on one)."""
         choices: dict[int, AnswerChoice] = {}
 
         def push(index: int, text: str, logprobs: list[float]) -> None:
@@ -506,8 +507,9 @@ class RemoteEngine:
         usage, _ = self._read_choices(response, call, path, choices, push if stream else None)
         streamed = stream and response.headers.get("content-type", "").startswith("text/event-stream")
         completions = completions_from(choices, n, params, usage)
-        for c in completions:
-            call.channel.push(StreamChunk("" if streamed else c.text, completion=c, branch_index=c.branch_index))
+        if stream:
+            for c in completions:
+                call.channel.push(StreamChunk("" if streamed else c.text, completion=c, branch_index=c.branch_index))
         return completions, usage
 
     def _read_choices(self, response: Any, call: _Call, path: str, choices: dict[int, AnswerChoice],

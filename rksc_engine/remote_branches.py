@@ -80,7 +80,8 @@ class BranchFanOut:
         max_branches: The most branches the monitor may bring the request to (>= n).
         params: The request's sampling settings (``seed`` is branch 0's).
         monitor: Watches the branches; None runs them as they are.
-        stream: Push a ``StreamChunk`` per delta (else only each branch's last chunk).
+        stream: Push a ``StreamChunk`` per delta and each branch's last chunk (else none, as a
+            local engine pushes none for a request it does not stream).
         start: Starts one branch's request (see ``StartBranch``).
     """
 
@@ -205,8 +206,11 @@ class BranchFanOut:
 
     def _end(self, branch: _Branch, completion: Completion) -> None:
         branch.completion = completion
-        self.channel.push(StreamChunk("" if self.stream else completion.text, completion=completion,
-                                      branch_index=branch.index))
+        # Chunks only for a streamed request, as a local engine's: ``handle.result()`` waits for news
+        # on the channel, and a chunk nobody takes is news at once, so it would spin on it and starve
+        # the threads that read the servers' streams.
+        if self.stream:
+            self.channel.push(StreamChunk("", completion=completion, branch_index=branch.index))
 
     def _finish_if_done(self) -> None:
         if self._done or any(b.completion is None for b in self._branches):

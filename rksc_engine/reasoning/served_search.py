@@ -6,7 +6,10 @@ What is the same as a local search: the tree's shape and statuses (``SearchNode`
 the seeds (node ``i``'s children are seeded ``seed + i * breadth + k``), every level's expansions
 submitted together (``expand_together``), children run under their own ``EarlyStopMonitor`` (the
 ``length`` and ``confidence`` rules, ``resolve_search_early_stop``), scores from path confidence or
-a verifier (the log-prob judge by default for ``"judge"``), the beam, the answer.
+a verifier (the log-prob judge by default for ``"judge"``), the beam, the answer; a blank step is not
+a step (a child that met the delimiter first goes on from there, seeded as locally, until it writes
+one or spends its budget); a ``cancel`` token is checked before each level and each scoring pass,
+and cancelling it closes the level's requests at once.
 
 What differs:
     * A path is text: the prompt (a string, sent to ``/v1/completions``) followed by each step's
@@ -25,7 +28,8 @@ What differs:
       where locally it ends the path.
     * ``scorer="confidence"`` needs the server's log-probs, ``"judge"`` its top log-probs: a server
       without them refuses the scorer before anything is generated (pass a callable scorer).
-    * A path longer than the server's context is the server's 400 (``ValueError``), not a final node.
+    * A path longer than the server's context is the server's 400 (``ValueError``), not a final node,
+      and a blank child goes on while it has budget left (the server's context is its own).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -42,6 +47,8 @@ from tqdm.auto import tqdm
 from ..config import MAX_SEED, MIN_SAMPLING_TEMPERATURE, MIN_TOP_P, SamplingParams
 from ..protocol import ServedEngine
 from ..results import Completion
+from ..runtime.cancel import CancelToken, check_cancel_token
+from ..runtime.handle import RequestCancelled, RequestHandle
 from .cgee import CGEEConfig
 from .early_stop import EarlyStopConfig, EarlyStopMonitor
 from .few_shot import SYSTEM_PROMPT, Problem, check_problems
@@ -91,6 +98,7 @@ def tree_search_over_server(
     progress: bool = False,
     expand_together: bool = True,
     early_stop: None | str | EarlyStopConfig = None,
+    cancel: CancelToken | None = None,
 ) -> SearchResult:
     """Beam search over reasoning steps on a server; the arguments of ``tree_search`` (see the
     module docstring for what differs). ``SearchResult.server_limits`` names what was not done.
@@ -98,6 +106,8 @@ def tree_search_over_server(
     Raises:
         TypeError, ValueError: a bad argument (named), a chat-message ``prompt``, a scorer the
             server cannot feed, ``cgee.exit_enabled`` with the judge; before anything is sent.
+        RequestCancelled: ``cancel`` was cancelled before the search ended (its requests in flight
+            are closed at once).
     """
     if not isinstance(question, str):
         raise TypeError(f"question must be a non-empty string, got {type(question).__name__}")
@@ -134,11 +144,12 @@ def tree_search_over_server(
     if not isinstance(cgee, CGEEConfig):
         raise TypeError(f"cgee must be a CGEEConfig or None, got {type(cgee).__name__}")
     stop_config = resolve_search_early_stop(early_stop)
+    cancel = check_cancel_token(cancel)
     judge, limits = _served_scorer(engine, scorer, cgee, stop_config)
     root = prompt if prompt is not None else few_shot_text(question, shots)
 
     search = _TextSearch(engine, question, root, breadth, beam, step_delimiter, judge, params, final_marker, cgee,
-                         stop_config, extract, expand_together)
+                         stop_config, extract, expand_together, cancel)
     start = time.perf_counter()
     search.run(depth, progress)
     best = search.best()
@@ -176,30 +187,85 @@ def _served_scorer(engine: ServedEngine, scorer: Any, cgee: CGEEConfig, stop: Ea
     return judge, tuple(line for line in capabilities.limits() if "top_logprobs" not in line or scorer == "judge")
 
 
+@dataclass(frozen=True)
+class _TextStep:
+    """One child's generated step as text, before it becomes a node (or, blank, is merged or dropped).
+
+    Attributes:
+        branch_index: The child's index among its siblings (its seed is the expansion's plus this).
+        generated: What it adds to its path: every part's text, each followed by the delimiter that
+            ended it (blank lines before the step included).
+        text: The step's text, cut before the delimiter (after the blank lines once merged).
+        logprobs: Its tokens' log-probabilities, as the server sent them.
+        num_tokens: Tokens it generated (the server's count).
+        finish_reason: How its last part ended (``Completion.finish_reason``).
+        ends_path: EOS or the final marker ended it.
+    """
+
+    branch_index: int
+    generated: str
+    text: str
+    logprobs: tuple[float, ...]
+    num_tokens: int
+    finish_reason: str
+    ends_path: bool
+
+    @property
+    def is_blank(self) -> bool:
+        return not self.text.strip()
+
+    def followed_by(self, part: _TextStep) -> _TextStep:
+        """This blank step and ``part``, generated after it, as one step: ``part``'s text and ending."""
+        return _TextStep(self.branch_index, self.generated + part.generated, part.text, self.logprobs + part.logprobs,
+                         self.num_tokens + part.num_tokens, part.finish_reason, part.ends_path)
+
+
 class _TextSearch:
     """One search's tree, each node's path text, and the beam."""
 
     def __init__(self, engine: ServedEngine, question: str, root: str, breadth: int, beam: int, delimiter: str,
                  judge: Verifier | None, params: SamplingParams, final_marker: str | None, cgee: CGEEConfig,
-                 stop: EarlyStopConfig | None, extract: Callable[[str], str | None], together: bool) -> None:
+                 stop: EarlyStopConfig | None, extract: Callable[[str], str | None], together: bool,
+                 cancel: CancelToken | None) -> None:
         self.engine, self.question, self.root, self.breadth, self.beam = engine, question, root, breadth, beam
         self.delimiter, self.judge, self.final_marker, self.cgee = delimiter, judge, final_marker, cgee
-        self.stop, self.extract, self.together = stop, extract, together
+        self.stop, self.extract, self.together, self.cancel = stop, extract, together, cancel
         self.base_seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
         self.params = replace(params, stop=tuple(dict.fromkeys((delimiter, *params.stop))))
         self.nodes = [SearchNode(0, None, 0, "", (), 1.0, None, status="root")]
         self.path_texts = [""]  # per node, the generated text root..node (the prompt excluded)
         self.frontier, self.finished = [0], []
         self.num_expansions = 0
+        self.num_levels = 0  # levels expanded and scored
         rules = [name for name in SEARCH_EARLY_STOP_RULES if stop is not None and getattr(stop, name) is not None]
         self.early_stop_totals: dict[str, Any] | None = None if stop is None else {
             "rules": rules, "expansions": 0, "children_launched": 0, "children_stopped": 0, "children_cancelled": 0,
             "decode_tokens": 0, "stopped_by": {rule: 0 for rule in rules}}
 
     def run(self, depth: int, progress: bool) -> None:
+        """Expand, score and prune level after level; ``RequestCancelled`` once ``cancel`` is set."""
+        try:
+            self._run(depth, progress)
+        except RequestCancelled:
+            if self.cancel is None or not self.cancel.cancelled:
+                raise  # a request cancelled by someone else: not this search's own cancellation
+            raise RequestCancelled(f"tree search cancelled by its CancelToken after {self.num_levels} finished "
+                                   f"levels ({self.num_expansions} expansions)") from None
+
+    def _check_cancel(self) -> None:
+        if self.cancel is not None:
+            self.cancel.raise_if_cancelled("tree search")
+
+    def _run(self, depth: int, progress: bool) -> None:
         for _ in tqdm(range(depth), desc="tree search", unit="level", disable=not progress):
-            children = self._expand_level()
+            self._check_cancel()
+            with self._level_requests() as submitted:
+                children = self._expand_level(submitted)
+            if not children:
+                break
+            self._check_cancel()
             self._score(children)
+            self.num_levels += 1
             ranked = sorted((i for i in children if self.nodes[i].status != "stopped"),
                             key=lambda i: (-self.nodes[i].branch_score, i))
             if not ranked:
@@ -212,62 +278,138 @@ class _TextSearch:
             if not self.frontier:
                 break
 
-    def _expand_level(self) -> list[int]:
-        """Submit every frontier node's children (before waiting on any, unless not ``together``)."""
+    @contextmanager
+    def _level_requests(self) -> Iterator[list[RequestHandle]]:
+        """A list for the level's submitted handles: cancelling the search closes them at once, and so
+        does any error that ends the level (nobody would read them)."""
+        submitted: list[RequestHandle] = []
+        with self.cancel.cancelling(submitted) if self.cancel is not None else nullcontext():
+            try:
+                yield submitted
+            except BaseException:
+                for handle in submitted:
+                    handle.cancel()
+                raise
+
+    def _expand_level(self, submitted: list[RequestHandle]) -> list[int]:
+        """Submit every frontier node's children (before waiting on any, unless not ``together``);
+        each handle goes into ``submitted`` as soon as it is made."""
         pending = []
         for index in self.frontier:
             params = replace(self.params, seed=self.base_seed + index * self.breadth)
             monitor = None if self.stop is None else EarlyStopMonitor(
                 self.stop, n=self.breadth, extract=self.extract, max_new_tokens=params.max_new_tokens)
             handle = self.engine.submit(self.root + self.path_texts[index], self.breadth, params, monitor=monitor)
+            submitted.append(handle)
+            self._check_cancel()  # a cancel that ran before the append did not see this handle
             pending.append((index, handle.result() if not self.together else handle, monitor))
-        children = []
+        steps: dict[int, list[_TextStep]] = {}
+        stopped: dict[int, dict[int, str]] = {}
         for index, done, monitor in pending:
             completions = done if isinstance(done, list) else done.result()
-            children += self._add_children(index, completions, monitor)
+            stopped[index] = self._stopped(completions, monitor)
+            steps[index] = [self._step(c) for c in completions]
+        self._continue_blank_steps(steps, stopped, submitted)
+        children = []
+        for index, level_steps in steps.items():
+            children += self._add_children(index, level_steps, stopped[index])
         return children
 
-    def _add_children(self, index: int, completions: list[Completion], monitor: EarlyStopMonitor | None) -> list[int]:
+    def _step(self, completion: Completion) -> _TextStep:
+        # "stop" is read as the delimiter (see the module docstring).
+        at_delimiter = completion.finish_reason == "stop"
+        ends_path = (completion.finish_reason == "eos"
+                     or (self.final_marker is not None and self.final_marker in completion.text))
+        return _TextStep(completion.branch_index, completion.text + (self.delimiter if at_delimiter else ""),
+                         completion.text, tuple(completion.logprobs), completion.num_generated_tokens,
+                         completion.finish_reason, ends_path)
+
+    def _continues(self, step: _TextStep) -> bool:
+        """Whether ``step`` is blank only because it met the delimiter first, with budget left to go on."""
+        return (step.is_blank and step.finish_reason == "stop" and not step.ends_path
+                and step.num_tokens < self.params.max_new_tokens)
+
+    def _continue_blank_steps(self, steps: dict[int, list[_TextStep]], stopped: dict[int, dict[int, str]],
+                              submitted: list[RequestHandle]) -> None:
+        """Let each child that met the delimiter before writing anything go on from its blank text,
+        round by round, until it writes a step or cannot go on (``_continues``); a round's requests
+        are sent together, as a level's are, and go into ``submitted``. Only children the early-stop
+        rules kept go on. The seed of each part is the local search's."""
+        pending = [(index, k) for index, level_steps in steps.items() for k, step in enumerate(level_steps)
+                   if step.branch_index not in stopped[index] and self._continues(step)]
+        while pending:
+            handles: dict[tuple[int, int], Any] = {}
+            for index, k in pending:
+                step = steps[index][k]
+                params = replace(self.params, seed=self._continuation_seed(index, step),
+                                 max_new_tokens=self.params.max_new_tokens - step.num_tokens)
+                handle = self.engine.submit(self.root + self.path_texts[index] + step.generated, 1, params)
+                submitted.append(handle)
+                self._check_cancel()
+                handles[index, k] = handle if self.together else handle.result()
+            for (index, k), done in handles.items():
+                [part] = done if isinstance(done, list) else done.result()
+                steps[index][k] = steps[index][k].followed_by(self._step(part))
+                if self.early_stop_totals is not None:
+                    self.early_stop_totals["decode_tokens"] += part.num_generated_tokens
+            pending = [(index, k) for index, k in pending if self._continues(steps[index][k])]
+
+    def _continuation_seed(self, index: int, step: _TextStep) -> int:
+        """The seed of the next part of blank ``step`` (a child of node ``index``), as the local search
+        draws it: its own seed mixed with the tokens generated so far, at most ``MAX_SEED``."""
+        child_seed = self.base_seed + index * self.breadth + step.branch_index
+        return (child_seed * 0x9E3779B1 + step.num_tokens) % (MAX_SEED + 1)
+
+    def _add_children(self, index: int, steps: list[_TextStep], stopped: dict[int, str]) -> list[int]:
+        """Node ``index``'s children from its steps (``stopped``: branch index -> the early-stop rule
+        that took it out); a blank step makes no node, and one that ended its path marks the parent
+        final (as in the local search)."""
         node = self.nodes[index]
         node.status = "expanded"
         self.num_expansions += 1
-        stopped = self._stopped(completions, monitor)
         out = []
-        for completion in completions:
-            # "stop" is read as the delimiter (see the module docstring).
-            at_delimiter = completion.finish_reason == "stop"
-            is_final = (completion.finish_reason == "eos"
-                        or (self.final_marker is not None and self.final_marker in completion.text))
-            child = SearchNode(len(self.nodes), index, node.depth + 1, completion.text, (), 0.0,
-                               completion.finish_reason, is_final=is_final,
-                               path_logprob_sum=node.path_logprob_sum + sum(completion.logprobs),
-                               path_num_tokens=node.path_num_tokens + len(completion.logprobs))
-            if completion.branch_index in stopped:
+        for step in steps:
+            if step.is_blank:
+                if step.ends_path and index != 0 and step.branch_index not in stopped and index not in self.finished:
+                    node.is_final = True  # the model ended the path right after this node's step
+                    self.finished.append(index)
+                continue
+            child = SearchNode(len(self.nodes), index, node.depth + 1, step.text, (), 0.0,
+                               step.finish_reason, is_final=step.ends_path, branch_index=step.branch_index,
+                               path_logprob_sum=node.path_logprob_sum + sum(step.logprobs),
+                               path_num_tokens=node.path_num_tokens + len(step.logprobs))
+            if step.branch_index in stopped:
                 child.status = "stopped"
+            self._count_child(child, stopped.get(step.branch_index))
             self.nodes.append(child)
-            self.path_texts.append(self.path_texts[index] + completion.text + (self.delimiter if at_delimiter else ""))
+            self.path_texts.append(self.path_texts[index] + step.generated)
             node.children.append(child.index)
             out.append(child.index)
         return out
 
     def _stopped(self, completions: list[Completion], monitor: EarlyStopMonitor | None) -> dict[int, str]:
-        """Per branch index of a child an early-stop rule took out, the rule; counted in the totals."""
+        """Per branch index of a child an early-stop rule took out, the rule (the expansion and its
+        decoded tokens are counted in the totals; each child when it becomes a node)."""
         if monitor is None or self.early_stop_totals is None:
             return {}
         report = monitor.report()
         stopped_by = dict(report.stopped_by)
         stopped = {c.branch_index: stopped_by.get(c.branch_index, "confidence")
                    for c, votes in zip(completions, monitor.voting(completions)) if not votes}
-        totals = self.early_stop_totals
-        totals["expansions"] += 1
-        totals["children_launched"] += report.branches_launched
-        totals["children_stopped"] += len(stopped)
-        totals["children_cancelled"] += sum(c.finish_reason == "cancelled" and c.branch_index in stopped
-                                            for c in completions)
-        totals["decode_tokens"] += report.decode_tokens
-        for rule in stopped.values():
-            totals["stopped_by"][rule] = totals["stopped_by"].get(rule, 0) + 1
+        self.early_stop_totals["expansions"] += 1
+        self.early_stop_totals["decode_tokens"] += report.decode_tokens
         return stopped
+
+    def _count_child(self, child: SearchNode, rule: str | None) -> None:
+        """Count a new node in the early-stop totals (when early stop is on); ``rule`` took it out, if one did."""
+        totals = self.early_stop_totals
+        if totals is None:
+            return
+        totals["children_launched"] += 1
+        if rule is not None:
+            totals["children_stopped"] += 1
+            totals["children_cancelled"] += child.finish_reason == "cancelled"
+            totals["stopped_by"][rule] = totals["stopped_by"].get(rule, 0) + 1
 
     def _score(self, children: list[int]) -> None:
         if self.judge is None:

@@ -46,6 +46,17 @@ def test_rksc_ask_with_server_answers_as_the_local_engine(engine, base_url, caps
     assert served["answer"] == local.answer
     assert served["server_limits"] == []
     assert [b["text"] for b in served["branches"]] == [b.text for b in local.branches]
+    assert served["cgee_levels"] == [1], "over a server only CGEE level 1 runs"
+    prompts = served["prompt_tokens"]
+    assert prompts["requests"] >= 3 and prompts["computed"] + prompts["reused"] >= 3 * local.completions[0].num_prompt_tokens, \
+        "every branch is a request that reads the prompt: the server's totals, not one prefill forked"
+
+
+def test_rksc_ask_with_server_prints_what_the_server_counted(base_url, capsys):
+    assert ask_main(["ask", QUESTION, "--shots", "0", "--branches", "2", "--max-new-tokens", "8",
+                     "--server", base_url]) == 0
+    out = capsys.readouterr().out
+    assert "Prompt tokens (the server's usage):" in out and "Branches' prompt:" not in out, out
 
 
 def test_rksc_ask_refuses_local_model_flags_with_server(base_url, capsys):

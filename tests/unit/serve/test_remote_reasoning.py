@@ -24,7 +24,14 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
-from rksc_engine import CGEEConfig, RemoteEngine, RemoteServerError, SamplingParams  # noqa: E402
+from rksc_engine import (  # noqa: E402
+    CancelToken,
+    CGEEConfig,
+    RemoteEngine,
+    RemoteServerError,
+    RequestCancelled,
+    SamplingParams,
+)
 from rksc_engine.reasoning.early_stop import (  # noqa: E402
     AnsweredConfig,
     ConfidenceConfig,
@@ -47,6 +54,7 @@ QUESTION = "What is 2 + 3?"
 GREEDY = SamplingParams(max_new_tokens=24)
 SAMPLED = SamplingParams(temperature=0.8, max_new_tokens=40, seed=3)
 SEARCH_PROMPT = "Q: 2+3?\nA:"
+ENDLESS = SamplingParams(max_new_tokens=3000)  # greedy after SEARCH_PROMPT, the tiny model never ends: 3000 tokens
 
 
 def first_char(text: str) -> str | None:
@@ -129,6 +137,16 @@ def test_decided_early_stop_keeps_the_full_votes_winner_and_cancels_what_it_no_l
         assert decoded < sum(c.num_generated_tokens for c in full.completions), \
             "the cancelled branches must not have been decoded"
     assert all(c.branch_index == i for i, c in enumerate(stopped.completions))
+
+
+def test_a_clustered_vote_over_the_server_votes_as_the_local_engine(engine, served):
+    _, remote = served
+    kwargs = {"n": 3, "params": GREEDY, "answer_extractor": first_char, "vote": "cluster"}
+    local = engine.reason(QUESTION, **kwargs)
+    result = remote.reason(QUESTION, **kwargs)
+    assert result.vote is not None and result.vote.method == "cluster"
+    assert result.early_stop is None, "decided counts votes per answer: it does not run under a clustered vote"
+    assert (result.answer, result.votes) == (local.answer, local.votes)
 
 
 def test_areason_over_the_server_answers_as_reason(engine, served):
@@ -240,7 +258,8 @@ def test_a_sampled_tree_search_with_early_stop_runs_on_both_servers(served):
         kwargs["scorer"] = path_scorer
     result = remote.tree_search(QUESTION, **kwargs)
     totals = result.early_stop
-    assert result.nodes[0].status == "expanded" and totals["children_launched"] == 3 * totals["expansions"]
+    # Children are nodes: a blank child goes on from its blank text or makes none.
+    assert result.nodes[0].status == "expanded" and totals["children_launched"] == len(result.nodes) - 1
     stopped = [n for n in result.nodes if n.status == "stopped"]
     assert len(stopped) == totals["children_stopped"] == totals["stopped_by"]["length"]
     assert all(n.index not in {m.index for m in result.best_path} for n in stopped), "a stopped child is never kept"
@@ -256,7 +275,8 @@ def test_a_seeded_tree_search_over_rksc_serve_builds_the_local_engines_tree(engi
         result = remote.tree_search(QUESTION, **kwargs)
     # Which children an early-stop rule leaves out is a property of their tokens; where it cut one
     # depends on when the threshold was known, so a stopped child's text is not compared.
-    assert [n.status for n in result.nodes] == [n.status for n in local.nodes]
+    assert [(n.status, n.parent, n.branch_index) for n in result.nodes] == \
+           [(n.status, n.parent, n.branch_index) for n in local.nodes]
     assert [n.text for n in result.nodes if n.status != "stopped"] == \
            [n.text for n in local.nodes if n.status != "stopped"], "seeded children make the same tree"
     # A child's request prefills its parent's path where the local search decodes it: the
@@ -395,3 +415,54 @@ def test_few_shot_prompts_reach_the_server_as_chat_messages(engine, served):
     assert re.fullmatch(r".+", remote.generate(messages, SamplingParams(max_new_tokens=3)).text or "x", re.S)
     kwargs = {"n": 2, "params": GREEDY, "prompt": messages, "answer_extractor": first_char}
     assert remote.reason(QUESTION, **kwargs).answer == engine.reason(QUESTION, **kwargs).answer
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+def cancel_once_running(engine, token, count: int = 1) -> threading.Thread:
+    """Cancel ``token`` once the server runs ``count`` requests: a point in the work, not in time."""
+    def run():
+        assert wait_until(lambda: engine.stats().running_requests >= count, timeout_s=60), "nothing started"
+        token.cancel()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("early_stop", [None, "decided"])
+def test_a_cancel_token_ends_reasoning_over_the_server_and_closes_its_branches(engine, rksc_url, early_stop):
+    token = CancelToken()
+    before = engine.stats().decode_tokens
+    with RemoteEngine(rksc_url, model="rksc") as remote:
+        remote.capabilities()
+        thread = cancel_once_running(engine, token)
+        with pytest.raises(RequestCancelled, match="CancelToken"):
+            remote.reason(QUESTION, n=3, params=ENDLESS, prompt=SEARCH_PROMPT, answer_extractor=lambda text: None,
+                          early_stop=early_stop, cancel=token)
+        thread.join()
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60), "the server kept decoding"
+    assert engine.stats().decode_tokens - before < 3 * 3000, "the branches ran to max_new_tokens"
+
+
+def test_a_cancel_token_ends_a_tree_search_over_the_server_and_closes_its_level(engine, rksc_url):
+    token = CancelToken()
+    before = engine.stats().decode_tokens
+    with RemoteEngine(rksc_url, model="rksc") as remote:
+        remote.capabilities()
+        thread = cancel_once_running(engine, token)
+        with pytest.raises(RequestCancelled, match="after 0 finished levels"):
+            remote.tree_search(QUESTION, prompt=SEARCH_PROMPT, breadth=1, depth=4, step_delimiter="\x00",
+                               scorer=path_scorer, params=ENDLESS, cancel=token)
+        thread.join()
+    assert wait_until(lambda: engine.stats().running_requests == 0, timeout_s=60), "the server kept decoding"
+    assert engine.stats().decode_tokens - before < 3000
+
+
+def test_a_request_that_is_not_streamed_queues_no_chunks_as_a_local_one(engine, rksc_url):
+    # result() waits for news on the request's channel: a chunk nobody takes would be news at once,
+    # and the wait would spin, starving the threads that read the server's streams.
+    params = SamplingParams(temperature=0.8, max_new_tokens=8, seed=6)
+    assert list(engine.submit(QUESTION, 2, params)) == [], "the local engine's reference"
+    with RemoteEngine(rksc_url, model="rksc") as remote:
+        assert list(remote.submit(QUESTION, 2, params)) == []
+        assert list(remote.submit(QUESTION, 2, params, monitor=StopAfter(index=0, tokens=2))) == []
