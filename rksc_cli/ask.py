@@ -1,7 +1,9 @@
 """``rksc ask``: answer a question with self-consistency over ``--branches`` reasoning branches
 that share one computed prompt; ``--early-stop`` picks when branches stop early (default ``decided``:
 once they cannot change the vote's winner), and the output says what that saved: at most the decode
-budget the cancelled branches had left, and that of the branches never launched.
+budget the cancelled branches had left, and that of the branches never launched. ``--server URL``
+reasons over a model an OpenAI-compatible server runs (vLLM, SGLang, llama.cpp, Ollama, ``transformers
+serve``, ``rksc serve``) through a ``RemoteEngine``, with the same rules.
 
 ``rksc_cli`` adds this subcommand with ``add_arguments``/``run`` beside ``rksc bench`` and ``rksc serve``;
 ``python -m rksc_cli.ask ask ...`` runs it alone. It sits outside ``rksc_engine`` because a command line is
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -25,12 +28,31 @@ from rksc_engine.reasoning.self_consistency import ReasoningResult
 from rksc_engine.results import EngineStats
 
 
+def build_engine(args: argparse.Namespace) -> object:
+    """The engine ``rksc ask`` reasons on: a ``RemoteEngine`` on ``--server``, else the local model."""
+    if args.server is None:
+        from rksc_engine.engine import RKSCEngine
+
+        return RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    local_only = [flag for flag, value, default in (("--model", args.model, None), ("--device", args.device, "auto"),
+                                                    ("--dtype", args.dtype, "auto")) if value != default]
+    if local_only:
+        raise ValueError(f"{', '.join(local_only)} load a local model; with --server the server's model answers "
+                         f"(name it with --server-model)")
+    from rksc_engine.remote import RemoteEngine
+
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    return RemoteEngine(args.server, model=args.server_model, api_key=api_key)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``rksc ask`` with the parsed ``args``; returns the exit status."""
-    from rksc_engine.engine import RKSCEngine
-
     t0 = time.perf_counter()
-    engine = RKSCEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    engine = build_engine(args)
     load_s = time.perf_counter() - t0
     shots = load_gsm8k_jsonl(args.shots_from, limit=args.shots) if args.shots_from else synthetic_problems(args.shots, seed=1)
     messages = few_shot_messages(args.question, shots)
@@ -46,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
     branches = result.branches
     winner, votes = result.answer, result.votes
     stats = engine.stats()
-    prompts = PromptTokens.of_call(result, before, stats)
+    served = args.server is not None
+    # Over a server every branch is a request that reads the prompt (its prefix cache may reuse it):
+    # the split of one prefill forked to every branch does not hold, so the server's totals are shown.
+    prompts = ServerPromptTokens.of_call(before, stats) if served else PromptTokens.of_call(result, before, stats)
     saved = budget_left(result, args.branches, params.max_new_tokens)
     if args.json:
         print(json.dumps({
@@ -56,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
             "verification": result.verification.summary(),
             "early_stop": result.early_stop.as_dict() if result.early_stop is not None else None,
             "early_stop_saved_tokens_at_most": saved, "prompt_tokens": asdict(prompts),
+            "cgee_levels": list(result.cgee_levels), "server_limits": list(result.server_limits),
             "stats": stats.as_dict(), "load_s": load_s, "generate_s": gen_s,
         }, indent=2))
         return 0
@@ -71,9 +97,15 @@ def run(args: argparse.Namespace) -> int:
     print(result.verification.summary())
     print(f"Answer: {winner}  votes={dict(votes)}")
     print(_early_stop_line(args.early_stop, result, args.branches, saved))
-    print(f"Branches' prompt: {prompts.branches_computed} tokens computed once for all {len(result.completions)} "
-          f"branches (reused from cache: {prompts.branches_reused}) | verifier's prompts: "
-          f"{prompts.verifier_computed} tokens computed (reused from cache: {prompts.verifier_reused})")
+    for line in result.server_limits:
+        print(f"Server: {line}")
+    if isinstance(prompts, ServerPromptTokens):
+        print(f"Prompt tokens (the server's usage): {prompts.computed} computed, {prompts.reused} reused from its "
+              f"prefix cache, over {prompts.requests} requests (branches and judge)")
+    else:
+        print(f"Branches' prompt: {prompts.branches_computed} tokens computed once for all {len(result.completions)} "
+              f"branches (reused from cache: {prompts.branches_reused}) | verifier's prompts: "
+              f"{prompts.verifier_computed} tokens computed (reused from cache: {prompts.verifier_reused})")
     print(f"Decode tokens: {stats.decode_tokens - before.decode_tokens} | cache: {stats.cache_bytes / 2**20:.1f} MiB | "
           f"generate: {gen_s:.1f}s (load {load_s:.1f}s)")
     return 0
@@ -100,6 +132,21 @@ class PromptTokens:
         reused = after.prompt_tokens_reused - before.prompt_tokens_reused
         return cls(branches_computed, branches_reused, max(computed - branches_computed, 0),
                    max(reused - branches_reused, 0))
+
+
+@dataclass(frozen=True)
+class ServerPromptTokens:
+    """The prompt tokens one ``reason`` call over a server read, from the ``usage`` of its requests
+    (every branch and every judge prompt is a request of its own)."""
+
+    requests: int
+    computed: int
+    reused: int
+
+    @classmethod
+    def of_call(cls, before: EngineStats, after: EngineStats) -> ServerPromptTokens:
+        return cls(after.requests - before.requests, after.prompt_tokens_computed - before.prompt_tokens_computed,
+                   after.prompt_tokens_reused - before.prompt_tokens_reused)
 
 
 def budget_left(result: ReasoningResult, n: int, max_new_tokens: int) -> int:
@@ -134,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("question")
     parser.add_argument("--branches", "-n", type=int, default=8, help="sibling reasoning branches (default 8)")
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--server", default=None, metavar="URL",
+                        help="reason over the model an OpenAI-compatible server runs, e.g. http://127.0.0.1:8000/v1 "
+                             "(vLLM, SGLang, llama.cpp, Ollama, transformers serve, rksc serve)")
+    parser.add_argument("--server-model", default=None, metavar="NAME",
+                        help="the model to ask the server for (default: the first one it lists)")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR",
+                        help="environment variable holding the server's API key (sent as a bearer token)")
     parser.add_argument("--shots", type=int, default=8, help="worked examples in the prompt (default 8)")
     parser.add_argument("--shots-from", default=None, help="GSM8K-format JSONL to take the examples from (default: built-in synthetic set)")
     parser.add_argument("--temperature", type=float, default=0.7)

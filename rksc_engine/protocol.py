@@ -1,6 +1,7 @@
 """What an engine offers, as protocols: ``Engine`` (generation, stats; ``RKSCEngine`` and
-``RemoteEngine`` both satisfy it) and ``LocalEngine`` (adds what needs the model in this process:
-its tokenizer, its cache, its passes). Code built on engines (reasoning, structured output, the
+``RemoteEngine`` both satisfy it), ``LocalEngine`` (adds what needs the model in this process:
+its tokenizer, its cache, its passes) and ``ServedEngine`` (an engine behind a server: what the
+server provides, and the next-token log-probs the log-prob judge reads). Code built on engines (reasoning, structured output, the
 adapters, the server) takes one of these, never a concrete engine class."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from .config import EngineConfig, SamplingParams
 from .kvcache.radix import RadixPrefixCache
-from .results import Completion, EngineStats, StreamChunk
+from .results import Completion, EngineStats, ServerCapabilities, StreamChunk
 from .runtime.handle import BranchMonitor, LogitsProcessor, RequestHandle
 
-__all__ = ["Engine", "LocalEngine"]
+__all__ = ["Engine", "LocalEngine", "ServedEngine"]
 
 
 @runtime_checkable
@@ -90,3 +91,13 @@ class LocalEngine(Engine, Protocol):
     def cached_prefix(self, prefix_ids: Sequence[int]) -> AbstractContextManager[Any]: ...
 
     def annotate_cache(self, token_ids: Sequence[int], *, start: int = 0, branch_score: float, depth: int) -> int: ...
+
+
+@runtime_checkable
+class ServedEngine(Engine, Protocol):
+    """An engine whose model runs behind an OpenAI-compatible server (``RemoteEngine``): reasoning
+    asks it what the server provides before it sends anything, and judges with its log-probs."""
+
+    def capabilities(self, refresh: bool = False) -> ServerCapabilities: ...
+
+    def top_next_tokens(self, prompts: Sequence[Any], num_top: int = 20) -> list[dict[str, float]]: ...

@@ -1,5 +1,6 @@
-"""``RemoteEngine``: the engine's generation API over any OpenAI-compatible server (``rksc serve``,
-vLLM, SGLang, llama.cpp's server), returning the engine's own ``Completion`` and ``StreamChunk``.
+"""``RemoteEngine``: the engine's generation and reasoning API over any OpenAI-compatible server
+(``rksc serve``, vLLM, SGLang, llama.cpp's server, Ollama, ``transformers serve``), returning the
+engine's own ``Completion``, ``StreamChunk`` and ``ReasoningResult``.
 
 Contract:
     * ``submit`` / ``generate`` / ``generate_branches`` (one request with ``n``) / ``generate_many`` /
@@ -8,15 +9,21 @@ Contract:
       requests are in flight together, so the server batches them.
     * Prompts are text: a string goes to ``/v1/completions``, a list of chat messages to
       ``/v1/chat/completions`` (the server applies its chat template). Token ids raise ``TypeError``:
-      the server tokenizes with its own tokenizer.
+      the server tokenizes with its own tokenizer. ``model``, ``api_key`` and the URL are the one
+      configuration: the adapters and ``rksc ask --server`` build a ``RemoteEngine`` from them.
     * A ``Completion`` holds what the server says: ``text``, ``logprobs`` (each generated token's,
-      from ``logprobs.content[*].logprob``), ``finish_reason`` (``"length"``; ``"stop"`` when the
+      from ``logprobs.content[*].logprob``; empty from a server that sends none, whose
+      ``confidence`` is then 1.0), ``finish_reason`` (``"length"``; ``"stop"`` when the
       server names a stop string in vLLM's ``stop_reason``, or when stop strings were asked for and
       it does not say; ``"eos"`` otherwise), ``num_prompt_tokens`` and ``num_cached_tokens`` (from
-      ``usage.prompt_tokens_details.cached_tokens``). ``token_ids`` is ``()``: servers do not send ids.
+      ``usage.prompt_tokens_details.cached_tokens``). ``token_ids`` is ``()``: servers do not send ids;
+      ``num_reported_tokens`` counts the tokens. A stream must end with ``data: [DONE]``, or with
+      every choice finished (``transformers serve`` sends no marker); one that stops short of
+      either raises ``ConnectionError``.
     * ``stats()`` is an ``EngineStats`` filled from the servers' ``usage``: requests, prompt tokens
-      computed and reused (cached), decode tokens, cache hits and misses. Cache bytes and the batch
-      are the server's and stay 0.
+      computed and reused (cached), decode tokens (a request closed early: the tokens it had
+      received), cache hits and misses, and the requests in flight. Cache bytes and the batch are
+      the server's and stay 0.
     * Transport: every request is streamed from the server (``stream: true``, assembled here when
       the caller did not ask for a stream), so bytes keep flowing while it generates and ``timeout``
       bounds only the silence between them. A request is sent again only when it cannot have
@@ -35,9 +42,13 @@ Contract:
     * Requests run on daemon threads, at most ``max_concurrency`` at once, that exist only while
       requests are queued or in flight: an engine that is never closed does not hold up the
       interpreter's exit.
+    * Reasoning runs here as on a local engine, through the same code (``reason``, ``areason``,
+      ``tree_search``): ``submit(monitor=..., max_branches=...)`` runs a request's branches as
+      requests of one choice each that an early-stop rule can end (``rksc_engine.remote_branches``);
+      ``top_next_tokens`` gives the log-prob judge its Yes/No; ``capabilities()`` says what the
+      server provides (``rksc_engine.remote_probe``), and reasoning names what it lacks.
     * What only a local engine can do raises ``NotImplementedError`` saying so: logits processors,
-      ``tree_search`` (it annotates the local radix cache), ``reason`` (its verifier reads the
-      model's hidden states), prefill and cache control, ASKS and RSBCM settings.
+      prefill and cache control, CGEE's layer exit (hidden states), ASKS and RSBCM settings.
 
 ``httpx`` is imported when a ``RemoteEngine`` is built (it comes with the LangChain and LlamaIndex
 extras, and with ``pip install httpx``); the rest of ``rksc_engine`` does not need it.
@@ -45,9 +56,8 @@ extras, and with ``pip install httpx``); the rest of ``rksc_engine`` does not ne
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import dataclasses
-import email.utils
 import itertools
 import json
 import socket
@@ -57,7 +67,22 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from .config import SamplingParams, check_request_shape
-from .results import Completion, EngineStats, FinishReason, StreamChunk
+from .remote_branches import BranchFanOut, BranchListener
+from .remote_probe import ProbeAnswer, probe_capabilities
+from .remote_wire import (
+    AnswerChoice,
+    RemoteServerError,
+    WorkerThreads,
+    completions_from,
+    error_message,
+    json_or_text,
+    prompt_body,
+    retry_after_s,
+    sampling_body,
+    settle,
+    status_error,
+)
+from .results import Completion, EngineStats, ServerCapabilities, StreamChunk
 from .runtime.handle import (
     BranchMonitor,
     LogitsProcessor,
@@ -78,18 +103,6 @@ MAX_RETRY_AFTER_S = 120.0
 MAX_BACKOFF_S = 30.0
 LOCAL_ONLY = ("it needs a local RKSCEngine: over an OpenAI-compatible API the model, its KV and its prefix cache "
               "are the server's")
-
-
-class RemoteServerError(RuntimeError):
-    """The server answered with an error that retrying did not fix.
-
-    Attributes:
-        status_code: The HTTP status (0 for an error reported inside a stream).
-    """
-
-    def __init__(self, message: str, status_code: int) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 class RemoteEngine:
@@ -141,7 +154,7 @@ class RemoteEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=self.timeout, headers=headers, transport=transport,
                                     limits=httpx.Limits(max_connections=max_concurrency))
-        self._workers = _Workers(max_concurrency, "rksc-remote")
+        self._workers = WorkerThreads(max_concurrency, "rksc-remote")
         self._calls: set[_Call] = set()  # queued or in flight, for ``close`` to cancel
         self._calls_lock = threading.Lock()
         self._model = model
@@ -149,6 +162,8 @@ class RemoteEngine:
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
         self._ids = itertools.count()
+        self._capabilities: ServerCapabilities | None = None
+        self._capabilities_lock = threading.Lock()
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -177,38 +192,70 @@ class RemoteEngine:
         """Send a request of ``n`` choices and return its handle at once (as ``RKSCEngine.submit``).
 
         ``handle.num_prompt_tokens`` is None: the server tokenizes; each ``Completion`` has the count.
-        ``logits_processor``, ``monitor`` and ``max_branches`` act inside the server's decode loop, so
-        they are refused (``NotImplementedError``) before anything is sent.
+        With a ``monitor`` (or when ``capabilities()`` found that the server ignores ``n``) the
+        branches are ``n`` requests of one choice each, branch ``i`` seeded ``seed + i``, that the
+        monitor watches token by token and may end or add to, up to ``max_branches``
+        (``rksc_engine.remote_branches``). A ``logits_processor`` acts inside the server's decode
+        loop, so it is refused (``NotImplementedError``) before anything is sent.
         """
         if logits_processor is not None:
             raise NotImplementedError(f"a logits processor runs inside the decode loop, so {LOCAL_ONLY}")
-        if monitor is not None:
-            raise NotImplementedError(f"monitor sees each token as it is decoded, so {LOCAL_ONLY}")
-        if max_branches is not None:
-            raise NotImplementedError(f"max_branches adds branches to a running request, so {LOCAL_ONLY}")
         if not isinstance(stream, bool):
             raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
-        path, body = _prompt_body(prompt)
+        if monitor is not None and not callable(getattr(monitor, "observe", None)):
+            raise TypeError(f"monitor must have an observe(events) method, got {type(monitor).__name__}")
+        path, body = prompt_body(prompt)
         params = check_request_shape(n, params)
-        body.update(_sampling_body(path, n, params))
+        if max_branches is None:
+            max_branches = n
+        elif not isinstance(max_branches, int) or isinstance(max_branches, bool):
+            raise TypeError(f"max_branches must be an int or None, got {type(max_branches).__name__}")
+        elif max_branches < n:
+            raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
+        if max_branches > n:
+            check_request_shape(max_branches, params)  # the added branches obey the same bounds
+            if monitor is None:
+                raise ValueError("max_branches > n needs a monitor, which is what adds branches")
+        if monitor is not None or (n > 1 and self._capabilities is not None and not self._capabilities.n):
+            body.update(sampling_body(path, 1, params))
+            fan_out = BranchFanOut(next(self._ids), n, max_branches, params, monitor, stream,
+                                   lambda index, listener: self._start_branch(path, body, index, params, listener))
+            return fan_out.launch()
+        body.update(sampling_body(path, n, params))
         call = _Call(RequestChannel(), next(self._ids))
+        self._queue_call(call, lambda: self._run(call, path, body, n, params, stream))
+        return RequestHandle(call.request_id, None, n, call.channel, _Waiter(call))
+
+    def _queue_call(self, call: _Call, job: Callable[[], None]) -> None:
         with self._calls_lock:
             self._calls.add(call)
         try:
-            self._workers.submit(lambda: self._run(call, path, body, n, params, stream))
+            self._workers.submit(job)
         except RuntimeError:
             with self._calls_lock:
                 self._calls.discard(call)
             raise
-        return RequestHandle(call.request_id, None, n, call.channel, _Waiter(call))
+
+    def _start_branch(self, path: str, body: dict, index: int, params: SamplingParams,
+                      listener: BranchListener) -> Callable[[], None]:
+        """Queue branch ``index`` of a fanned-out request: one choice, seeded ``seed + index``.
+        Returns what closes its connection."""
+        branch_body = dict(body)
+        if params.seed is not None:
+            branch_body["seed"] = params.seed + index
+        call = _Call(RequestChannel(), next(self._ids))
+        self._queue_call(call, lambda: self._run_branch(call, path, branch_body, index, params, listener))
+        return call.cancel
 
     def generate(self, prompt: Any, params: SamplingParams | None = None) -> Completion:
         """One completion of ``prompt``."""
         return self.submit(prompt, 1, params).result()[0]
 
     def generate_branches(self, prompt: Any, n: int, params: SamplingParams | None = None) -> list[Completion]:
-        """``n`` completions of one prompt, in one request (``n``). On ``rksc serve`` branch i is seeded
-        ``seed + i``, as in a local engine; other servers seed the request as they do."""
+        """``n`` completions of one prompt, in one request (``n``); one request per branch, branch i
+        seeded ``seed + i``, once ``capabilities()`` has found that the server ignores ``n``. On
+        ``rksc serve`` branch i is seeded ``seed + i``, as in a local engine; other servers seed a
+        request of ``n`` choices as they do."""
         return self.submit(prompt, n, params).result()
 
     def generate_many(self, prompts: Sequence[Any], params: SamplingParams | None = None) -> list[Completion]:
@@ -237,15 +284,20 @@ class RemoteEngine:
         if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts")
         for prompt in prompts:  # every prompt is checked before any is sent
-            _prompt_body(prompt)
+            prompt_body(prompt)
         check_request_shape(1, params)
         return [self.submit(p, 1, params) for p in prompts]
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """Counters summed from the servers' ``usage`` since this object was built (or ``reset_stats``)."""
+        """Counters summed from the servers' ``usage`` since this object was built (or ``reset_stats``);
+        ``running_requests`` is the requests queued or in flight now. A branch closed early counts
+        the tokens it had received once its connection is down, which can be just after its request
+        has answered: read the counters once ``running_requests`` is 0."""
+        with self._calls_lock:
+            running = len(self._calls)
         with self._stats_lock:
-            return dataclasses.replace(self._stats, extra=dict(self._stats.extra))
+            return dataclasses.replace(self._stats, extra=dict(self._stats.extra), running_requests=running)
 
     def reset_stats(self) -> None:
         with self._stats_lock:
@@ -265,16 +317,90 @@ class RemoteEngine:
             else:
                 self._stats.cache_misses += 1
 
-    # -- what only a local engine does ----------------------------------------------------------
-    def tree_search(self, question: str, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"tree_search annotates the radix cache with branch scores (RSBCM), so {LOCAL_ONLY}")
+    def _count_cancelled(self, choices: dict[int, AnswerChoice]) -> None:
+        """A request ended by closing its connection has no usage: count the tokens that arrived."""
+        with self._stats_lock:
+            self._stats.requests += 1
+            self._stats.decode_tokens += sum(len(c.logprobs) or c.num_deltas for c in choices.values())
 
+    # -- reasoning over the server --------------------------------------------------------------
     def reason(self, question: str, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"reason's verifier and CGEE read the model's hidden states, so {LOCAL_ONLY}")
+        """Verified self-consistency over the server (``rksc_engine.reasoning.reason``, the same code
+        a local engine runs): the branches are requests the early-stop rules can end, the judge reads
+        the judge prompt's next-token log-probs (CGEE level 1; level 2 needs hidden states and is
+        refused), and ``ReasoningResult.server_limits`` names what the server did not provide."""
+        from .reasoning.self_consistency import reason  # reasoning is built on the engine, not under it
+
+        return reason(self, question, **kwargs)
 
     async def areason(self, question: str, **kwargs: Any) -> Any:
-        return self.reason(question, **kwargs)
+        """``reason`` for asyncio: the branches are awaited, the judge runs in a worker thread."""
+        import asyncio
 
+        from .reasoning.self_consistency import areason
+
+        await asyncio.to_thread(self.capabilities)  # the probe's requests block: not on the event loop
+        return await areason(self, question, **kwargs)
+
+    def tree_search(self, question: str, **kwargs: Any) -> Any:
+        """Beam search over reasoning steps on the server (``rksc_engine.reasoning.served_search``):
+        each level's expansions are sent together, a child's request continues its path's text,
+        children run under the early-stop rules, scores come from path confidence or the log-prob
+        judge. The cache annotation of RSBCM is the server's business and is not done."""
+        from .reasoning.served_search import tree_search_over_server
+
+        return tree_search_over_server(self, question, **kwargs)
+
+    def capabilities(self, refresh: bool = False) -> ServerCapabilities:
+        """What the server provides (log-probs, top log-probs, ``n``, per-request seeds, cached-token
+        counts, the ``[DONE]`` marker), probed once with a few requests of at most 16 tokens (not
+        counted in ``stats()``) and remembered (``refresh=True`` probes again). Reasoning reads it
+        before it sends anything."""
+        with self._capabilities_lock:
+            if self._capabilities is None or refresh:
+                self._capabilities = probe_capabilities(self)
+            return self._capabilities
+
+    def top_next_tokens(self, prompts: Sequence[Any], num_top: int = 20) -> list[dict[str, float]]:
+        """Per prompt, the most likely first tokens of the server's answer with their log-probs
+        (``{token text: logprob}``, from one greedy token's ``top_logprobs``; empty when the server
+        sends none). All prompts are in flight at once."""
+        if isinstance(num_top, bool) or not isinstance(num_top, int) or not 1 <= num_top <= 20:
+            raise ValueError(f"num_top must be an int in [1, 20], got {num_top!r}")
+        prompts = list(prompts)
+        for prompt in prompts:
+            prompt_body(prompt)
+        futures = [concurrent.futures.Future() for _ in prompts]
+        for prompt, future in zip(prompts, futures):
+            self._workers.submit(lambda p=prompt, f=future: settle(f, lambda: self.probe(p, num_top=num_top)))
+        return [(future.result().top_logprobs or [{}])[0] for future in futures]
+
+    def probe(self, prompt: Any, n: int = 1, params: SamplingParams | None = None, *,
+              num_top: int = 0, count: bool = True) -> ProbeAnswer:
+        """One small request sent from this thread, answered raw: its first choice as the server sent
+        it (text, log-probs and ``top_logprobs`` per position), the number of choices, the usage and
+        whether the stream ended with ``[DONE]``. What ``capabilities`` and the log-prob judge read.
+        ``count=False`` leaves it out of ``stats()`` (the capability probe's requests are)."""
+        path, body = prompt_body(prompt)
+        params = check_request_shape(n, params or SamplingParams(max_new_tokens=1))
+        body.update(sampling_body(path, n, params))
+        if num_top:
+            body["top_logprobs" if path == "chat/completions" else "logprobs"] = num_top
+        body["model"] = self.model_name
+        call = _Call(RequestChannel(), next(self._ids))
+        response = self._send("POST", path, json.dumps(body).encode(), call)
+        choices: dict[int, AnswerChoice] = {}
+        try:
+            usage, saw_done = self._read_choices(response, call, path, choices, None)
+        finally:
+            response.close()
+        if count:
+            self._count(usage)
+        first = choices.get(0) or AnswerChoice(0)
+        return ProbeAnswer(first.text, tuple(first.logprobs), tuple(first.top_logprobs), len(choices), usage or {},
+                           saw_done)
+
+    # -- what only a local engine does ----------------------------------------------------------
     def prefill(self, prompt: Any) -> Any:
         raise NotImplementedError(f"prefill hands out the prompt's KV, so {LOCAL_ONLY}")
 
@@ -340,13 +466,60 @@ class RemoteEngine:
             with self._calls_lock:
                 self._calls.discard(call)
 
+    def _run_branch(self, call: _Call, path: str, body: dict, index: int, params: SamplingParams,
+                    listener: BranchListener) -> None:
+        """Worker thread: send branch ``index`` of a fanned-out request, reporting to ``listener``."""
+        choices: dict[int, AnswerChoice] = {}
+        try:
+            call.check()
+            body["model"] = self.model_name
+            response = self._send("POST", path, json.dumps(body).encode(), call)
+            try:
+                call.attach(response)
+                usage, _ = self._read_choices(response, call, path, choices,
+                                              lambda _choice, text, logprobs: listener.on_delta(index, text, logprobs))
+            finally:
+                call.detach()
+                response.close()
+            self._count(usage)
+            [completion] = completions_from(choices, 1, params, usage)
+            listener.on_end(index, dataclasses.replace(completion, branch_index=index))
+        except BaseException as error:  # the request's to see (a cancellation: the branch was ended)
+            cancelled = call.channel.cancelled.is_set()
+            if cancelled:
+                self._count_cancelled(choices)
+            listener.on_error(index, call.cancelled_error() if cancelled else error)
+        finally:
+            with self._calls_lock:
+                self._calls.discard(call)
+
     def _read_answer(self, response: Any, call: _Call, path: str, n: int, params: SamplingParams,
                      stream: bool) -> tuple[list[Completion], dict | None]:
-        """Assemble the answer, pushing each delta as a ``StreamChunk`` when the caller streams; then
-        each branch's last chunk, with its ``Completion``, once the usage is known."""
+        """Assemble the answer; when the caller streams, push each delta as a ``StreamChunk`` and then
+        each branch's last chunk, with its ``Completion``, once the usage is known (an answer not
+        streamed pushes no chunk, as a local engine's: ``handle.result()`` would spin on one)."""
+        choices: dict[int, AnswerChoice] = {}
+
+        def push(index: int, text: str, logprobs: list[float]) -> None:
+            if text:
+                call.channel.push(StreamChunk(text, branch_index=index, logprobs=tuple(logprobs)))
+
+        usage, _ = self._read_choices(response, call, path, choices, push if stream else None)
+        streamed = stream and response.headers.get("content-type", "").startswith("text/event-stream")
+        completions = completions_from(choices, n, params, usage)
+        if stream:
+            for c in completions:
+                call.channel.push(StreamChunk("" if streamed else c.text, completion=c, branch_index=c.branch_index))
+        return completions, usage
+
+    def _read_choices(self, response: Any, call: _Call, path: str, choices: dict[int, AnswerChoice],
+                      on_delta: Callable[[int, str, list[float]], None] | None) -> tuple[dict | None, bool]:
+        """Read an answer into ``choices`` (filled as it arrives, so a caller sees what came before an
+        error), calling ``on_delta(index, text, logprobs)`` per streamed delta. Returns the usage and
+        whether the answer ended with ``data: [DONE]`` (a whole answer counts as ended). A stream
+        without it must have finished every choice: ``transformers serve`` never sends it."""
         url = f"{self.base_url}/{path}"
-        choices: dict[int, _Choice] = {}
-        usage, streamed, ended = None, False, False
+        usage, ended = None, False
         try:
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 # A server that ignores ``stream`` answers whole.
@@ -355,9 +528,8 @@ class RemoteEngine:
                 usage, ended = payload.get("usage"), True
                 for i, choice in enumerate(payload.get("choices") or []):
                     index = int(choice.get("index", i))
-                    choices.setdefault(index, _Choice(index)).add(choice, path, delta=False)
+                    choices.setdefault(index, AnswerChoice(index)).add(choice, path, delta=False)
             else:
-                streamed = stream
                 for line in response.iter_lines():
                     call.check()
                     if not line.startswith("data:"):
@@ -368,24 +540,21 @@ class RemoteEngine:
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        raise RemoteServerError(f"{url}: {_message(event)}", 0)
+                        raise RemoteServerError(f"{url}: {error_message(event)}", 0)
                     usage = event.get("usage") or usage
                     for choice in event.get("choices") or []:
                         index = int(choice.get("index", 0))
-                        text = choices.setdefault(index, _Choice(index)).add(choice, path, delta=True)
-                        if text and stream:
-                            call.channel.push(StreamChunk(text, branch_index=index))
+                        text, logprobs = choices.setdefault(index, AnswerChoice(index)).add(choice, path, delta=True)
+                        if on_delta is not None and (text or logprobs):
+                            on_delta(index, text, logprobs)
         except self._httpx.TimeoutException as error:
             raise TimeoutError(f"{url} sent nothing for {self.timeout} s; not sent again, since the server may "
                                f"still be generating: {error}") from error
         except self._httpx.TransportError as error:
             raise ConnectionError(f"the answer from {url} broke off: {error}") from error
-        if not ended:
-            raise ConnectionError(f"the stream from {url} ended before 'data: [DONE]'")
-        completions = _completions(choices, n, params, usage)
-        for c in completions:
-            call.channel.push(StreamChunk("" if streamed else c.text, completion=c, branch_index=c.branch_index))
-        return completions, usage
+        if not ended and not (choices and all(c.finish_reason for c in choices.values())):
+            raise ConnectionError(f"the stream from {url} ended before 'data: [DONE]' with a choice unfinished")
+        return usage, ended
 
     def _send(self, method: str, path: str, content: bytes | None, call: _Call | None) -> Any:
         """One HTTP exchange up to its response headers (the body is left to read). Sent again only
@@ -416,10 +585,10 @@ class RemoteEngine:
             else:
                 if response.status_code < 400:
                     return response
-                message = f"{url} answered {response.status_code}: {_message(_json_or_text(response))}"
+                message = f"{url} answered {response.status_code}: {error_message(json_or_text(response))}"
                 if response.status_code not in RETRYABLE_STATUS:
-                    raise _status_error(message, response.status_code)
-                status, wait_s = response.status_code, _retry_after_s(response.headers)
+                    raise status_error(message, response.status_code)
+                status, wait_s = response.status_code, retry_after_s(response.headers)
                 if wait_s is not None and wait_s > MAX_RETRY_AFTER_S:
                     raise RemoteServerError(f"{message} (it asks to wait {wait_s:.0f} s)", status)
             if attempt > self.max_retries:
@@ -432,53 +601,6 @@ class RemoteEngine:
             elif call.channel.cancelled.wait(wait_s):  # a cancel ends the wait at once
                 raise call.cancelled_error()
         raise AssertionError("unreachable")
-
-
-class _Workers:
-    """Daemon threads for queued jobs, at most ``max_threads`` at once. A thread ends as soon as it
-    finds the queue empty, so none outlives the work; being daemons, none holds up the interpreter's
-    exit (``ThreadPoolExecutor`` joins its threads at exit, however long their requests take)."""
-
-    def __init__(self, max_threads: int, name: str) -> None:
-        self._max_threads = max_threads
-        self._name = name
-        self._lock = threading.Lock()
-        self._queue: collections.deque[Callable[[], None]] = collections.deque()
-        self._num_threads = 0
-        self._closed = False
-        self._thread_ids = itertools.count()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this RemoteEngine is closed")
-            self._queue.append(job)
-            if self._num_threads == self._max_threads:
-                return
-            self._num_threads += 1
-        try:
-            threading.Thread(target=self._work, name=f"{self._name}-{next(self._thread_ids)}", daemon=True).start()
-        except BaseException:  # no thread (the interpreter is exiting): the job is not taken either
-            with self._lock:
-                self._num_threads -= 1
-                if job in self._queue:
-                    self._queue.remove(job)
-            raise
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._num_threads -= 1
-                    return
-                job = self._queue.popleft()
-            job()
-
-    def close(self) -> None:
-        """Take no more jobs and drop those not started (their owner cancels them)."""
-        with self._lock:
-            self._closed = True
-            self._queue.clear()
 
 
 class _Call:
@@ -543,151 +665,8 @@ class _Waiter:
         channel.wait(timeout)
 
     def wake(self) -> None:
-        # Called by ``handle.cancel()`` (and ``cancel_branches``, which a remote request cannot honour:
-        # the server decides its branches).
+        # Called by ``handle.cancel()`` (and ``cancel_branches``, which a request of n choices cannot
+        # honour: the server decides them together; a request submitted with a monitor has a branch
+        # per request, which ``remote_branches`` ends one by one).
         if self._call.channel.cancelled.is_set():
             self._call.cancel()
-
-
-def _prompt_body(prompt: Any) -> tuple[str, dict]:
-    """The endpoint and the prompt part of the body: a string is a completion, messages a chat."""
-    if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}; "
-                        f"decode bytes first")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt must be a non-empty string or list of chat messages")
-        return "completions", {"prompt": prompt}
-    if isinstance(prompt, Sequence) and not prompt:
-        raise ValueError("prompt must not be empty")
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-        raise TypeError("a remote engine takes text (a string or chat messages), not token ids: the server "
-                        "tokenizes with its own tokenizer")
-    if isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
-        messages = [dict(m) for m in prompt]
-        for i, message in enumerate(messages):
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
-                raise TypeError(f"messages[{i}] must have a string 'role' and a string 'content'")
-        try:
-            json.dumps(messages)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"chat messages must be JSON-serialisable: {error}") from None
-        return "chat/completions", {"messages": messages}
-    raise TypeError(f"prompt must be a string or a list of chat messages ({{'role', 'content'}} dicts), "
-                    f"got {type(prompt).__name__}")
-
-
-def _sampling_body(path: str, n: int, params: SamplingParams) -> dict[str, Any]:
-    body: dict[str, Any] = {"n": n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                            "top_p": params.top_p, "logprobs": True if path == "chat/completions" else 0}
-    if params.top_k:
-        body["top_k"] = params.top_k  # an extension vLLM, SGLang, llama.cpp and rksc serve accept
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if params.seed is not None:
-        body["seed"] = params.seed
-    # Always a stream, whether or not the caller streams: a whole answer sends nothing until the
-    # generation ends, so a long one would read as a timeout however healthy the server.
-    body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
-    return body
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One choice as the server sent it (whole, or assembled from a stream's deltas)."""
-
-    index: int
-    text: str = ""
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    says_stop_reason: bool = False  # the server sent ``stop_reason`` (vLLM, rksc serve), even as null
-
-    def add(self, choice: dict, path: str, *, delta: bool) -> str:
-        """Take in a (delta) choice of the server's; returns its new text."""
-        if path == "completions":
-            text = choice.get("text") or ""
-        else:
-            text = (choice.get("delta" if delta else "message") or {}).get("content") or ""
-        self.text += text
-        logprobs = choice.get("logprobs") or {}
-        if "content" in logprobs:  # chat
-            self.logprobs += [float(entry["logprob"]) for entry in logprobs.get("content") or []]
-        else:  # legacy completions
-            self.logprobs += [float(lp) for lp in logprobs.get("token_logprobs") or [] if lp is not None]
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
-            if "stop_reason" in choice:
-                self.stop_reason, self.says_stop_reason = choice["stop_reason"], True
-        return text
-
-    def engine_finish_reason(self, params: SamplingParams) -> FinishReason:
-        """OpenAI's ``stop`` covers both the model's end and a stop string; ``stop_reason`` tells them
-        apart (a string: the stop string). A server that does not send it ended on a stop string
-        only if some were asked for, as far as can be told."""
-        if self.finish_reason == "length":
-            return "length"
-        if isinstance(self.stop_reason, str):
-            return "stop"
-        if self.says_stop_reason:
-            return "eos"
-        return "stop" if params.stop else "eos"
-
-
-def _completions(choices: dict[int, _Choice], n: int, params: SamplingParams, usage: dict | None) -> list[Completion]:
-    usage = usage or {}
-    prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    if sorted(choices) != list(range(n)):
-        raise RemoteServerError(f"the server answered choices {sorted(choices)} for n={n}", 0)
-    return [
-        Completion(text=choice.text, token_ids=(), logprobs=tuple(choice.logprobs),
-                   finish_reason=choice.engine_finish_reason(params), num_prompt_tokens=prompt_tokens,
-                   num_cached_tokens=cached, branch_index=index, seed=params.seed)
-        for index, choice in sorted(choices.items())
-    ]
-
-
-def _retry_after_s(headers: Any) -> float | None:
-    """The seconds a 429 or 503 asks to wait: ``retry-after-ms`` (OpenAI's), or ``Retry-After`` in
-    seconds or as an HTTP date (a date passed is 0). None when it names none that can be read."""
-    try:
-        seconds = float(headers["retry-after-ms"]) / 1000
-    except (KeyError, TypeError, ValueError):
-        value = headers.get("retry-after")
-        if value is None:
-            return None
-        try:
-            seconds = float(value)
-        except ValueError:
-            try:
-                seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-            except (TypeError, ValueError):
-                return None
-    return max(seconds, 0.0) if seconds == seconds else None  # NaN reads as none
-
-
-def _json_or_text(response: Any) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text[:500]
-
-
-def _message(payload: Any) -> str:
-    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
-        error = payload["error"]
-        param = f" (param: {error['param']})" if error.get("param") else ""
-        return f"{error.get('message')}{param}"
-    if isinstance(payload, dict) and "detail" in payload:
-        return str(payload["detail"])
-    return str(payload)
-
-
-def _status_error(message: str, status: int) -> Exception:
-    if status in (401, 403):
-        return PermissionError(message)
-    if status in (400, 404, 413, 422):
-        return ValueError(message)
-    return RemoteServerError(message, status)

@@ -92,7 +92,8 @@ class Completion:
             tokens removed.
         token_ids: Generated token ids, including the EOS token or the token that completed a stop string.
         logprobs: Per generated token, its log-probability under the model's unmodified distribution
-            (temperature 1, no top-k/top-p), so confidences compare across sampling settings.
+            (temperature 1, no top-k/top-p), so confidences compare across sampling settings. Empty
+            when a server sends none (a ``RemoteEngine`` over ``transformers serve``, say).
         finish_reason: ``"eos"`` (model ended), ``"stop"`` (a stop string), ``"length"``
             (``max_new_tokens`` or the context window), or ``"cancelled"`` (stopped early by a branch
             monitor or ``RequestHandle.cancel_branches``).
@@ -103,6 +104,9 @@ class Completion:
         asks: What ASKS did for the prompt: an ``ASKSDecision`` (a reworded span realigned with a
             cached sequence) or a ``ChunkReuseDecision`` (retrieved chunks reused at new positions);
             None when ASKS did not act.
+        num_reported_tokens: Tokens generated as a server reported them, for a ``RemoteEngine``'s
+            completion, whose ``token_ids`` are empty: ``usage.completion_tokens`` of a one-choice
+            request, else the tokens its log-probs list, else its stream deltas; None for a local one.
     """
 
     text: str
@@ -114,17 +118,23 @@ class Completion:
     branch_index: int = 0
     seed: int | None = None
     asks: ASKSDecision | ChunkReuseDecision | None = None
+    num_reported_tokens: int | None = None
 
     @property
     def confidence(self) -> float:
-        """``exp(mean token logprob)``: the geometric-mean probability of the generated tokens."""
+        """``exp(mean token logprob)``: the geometric-mean probability of the generated tokens.
+
+        1.0 when no token's log-probability is known (a server that sends none): such completions
+        then weigh alike in a confidence-weighted vote, which makes it a plain count, and an
+        early-stop monitor, which reads an unknown log-probability as 0.0, weighs them the same.
+        """
         if not self.logprobs:
-            return 0.0
+            return 1.0
         return math.exp(sum(self.logprobs) / len(self.logprobs))
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) if self.num_reported_tokens is None else self.num_reported_tokens
 
 
 @dataclass(frozen=True)
@@ -136,12 +146,15 @@ class StreamChunk:
         token_ids: The tokens generated since that chunk.
         completion: Set on the branch's last chunk.
         branch_index: Which branch of the request this chunk belongs to.
+        logprobs: The log-probabilities of ``token_ids`` (as ``Completion.logprobs``); from a
+            ``RemoteEngine``, those the server sent with this piece of text.
     """
 
     text: str
     token_ids: tuple[int, ...] = ()
     completion: Completion | None = None
     branch_index: int = 0
+    logprobs: tuple[float, ...] = ()
 
     @property
     def is_last(self) -> bool:
@@ -152,9 +165,13 @@ class StreamChunk:
 class BranchEvent:
     """What one branch of a request did in one scheduler step, as a ``BranchMonitor`` sees it.
 
+    A ``RemoteEngine``'s branches are requests streamed by a server: an event is one token the
+    server streamed, ``token_id`` is -1 (servers send no ids) and ``logprob`` is 0.0 where the
+    server sent none (the largest a log-probability can be, so bounds built on it stay bounds).
+
     Attributes:
         branch_index: The branch (seeded ``seed + branch_index``).
-        token_id: The token it sampled this step.
+        token_id: The token it sampled this step (-1 when a server did not say).
         logprob: That token's log-probability under the model's unmodified distribution.
         num_tokens: Tokens the branch has generated so far, this one included.
         text: The branch's generated text so far (cut at a stop string, as ``Completion.text``).
@@ -283,3 +300,44 @@ def _format_bytes(num_bytes: int) -> str:
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:,.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class ServerCapabilities:
+    """What an OpenAI-compatible server behind a ``RemoteEngine`` was seen to provide (its answers
+    to a few small probe requests, ``RemoteEngine.capabilities()``).
+
+    Attributes:
+        logprobs: It sends each generated token's log-probability (``logprobs``), as it streams.
+        top_logprobs: It sends the most likely tokens of a position (``top_logprobs``), which the
+            log-prob judge reads.
+        n: It answers ``n`` choices in one request.
+        seed: Two requests with one seed, sent together, gave the same sample and another seed a
+            different one (True); the two differed (False: it ignores ``seed``, or seeds one
+            generator shared by every request); None: the probe could not tell (every sample equal).
+        cached_tokens: It reports ``usage.prompt_tokens_details.cached_tokens``.
+        done_marker: Its streams end with ``data: [DONE]``.
+    """
+
+    logprobs: bool
+    top_logprobs: bool
+    n: bool
+    seed: bool | None
+    cached_tokens: bool
+    done_marker: bool = True
+
+    def limits(self) -> tuple[str, ...]:
+        """One line per thing the server does not provide, saying what rksc does instead."""
+        lines = []
+        if not self.logprobs:
+            lines.append("the server sends no log-probs: every branch weighs 1 in the vote (a plain count), "
+                         "Completion.logprobs are empty and the confidence rule cannot run")
+        if not self.top_logprobs:
+            lines.append("the server sends no top_logprobs: no log-prob judge, so when CGEE does not skip "
+                         "verification the vote winner is the answer")
+        if self.seed is False:
+            lines.append("the server does not honour seed per request: branches are independent samples "
+                         "that a rerun does not reproduce")
+        if not self.n:
+            lines.append("the server ignores n: every branch is a request of its own")
+        return tuple(lines)

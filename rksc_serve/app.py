@@ -9,7 +9,7 @@ Endpoints:
         (``rksc_serve.reasoning``): ``engine.areason`` (verified self-consistency with the vote and the
         CGEE report) and ``engine.tree_search`` (run on the server's tree-search pool; it submits each
         level to the scheduler itself). An engine without them, or whose methods raise
-        ``NotImplementedError`` (a ``RemoteEngine``'s do), answers 501.
+        ``NotImplementedError``, answers 501.
     ``GET /v1/models``: the one model served. ``GET /health``: ``{"status": "ok"}``, never behind the
         key. ``GET /metrics``: Prometheus text (``rksc_serve.metrics``).
 
@@ -51,9 +51,9 @@ Promises:
       build time when given the ``host``, otherwise when the first request arrives on a non-loopback
       address.
     * Streams follow OpenAI's chunk format and end with ``data: [DONE]``; with
-      ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. A
-      choice's ``logprobs`` arrive whole in its last chunk (the engine reports a branch's logprobs
-      when it finishes).
+      ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage. Each
+      chunk's ``logprobs`` are those of the tokens it carries, so a client (an early-stop rule
+      over ``RemoteEngine``) reads them as they are generated.
     * Tools and JSON answers (``tools``, ``tool_choice``, ``response_format``) are decided by
       ``rksc_engine.structured.tools``, as the adapters decide them (``rksc_serve.tool_turns``): calls and JSON
       are decoded under their schema, a call comes back as ``message.tool_calls`` with
@@ -87,7 +87,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from rksc_engine import CancelToken, Completion, RequestCancelled, RequestHandle, SamplingParams
+from rksc_engine import CancelToken, Completion, RequestCancelled, RequestHandle, SamplingParams, StreamChunk
 from rksc_engine.protocol import LocalEngine
 from rksc_engine.reasoning.self_consistency import default_cgee
 from rksc_engine.structured import tools as tool_protocol
@@ -412,7 +412,7 @@ class _Server:
                           ) -> Any:
         """Run an rksc route's engine call: its ``ValueError``/``TypeError`` are 400s naming the field
         (``prompt_param`` for the prompt, ``n_param`` for the engine's ``n``), its
-        ``NotImplementedError`` (a ``RemoteEngine``'s, say) a 501."""
+        ``NotImplementedError`` a 501."""
         try:
             return await call()
         except NotImplementedError as error:
@@ -538,6 +538,15 @@ class _Reply:
         top = recorder.top(completion.token_ids) if recorder is not None else None
         return self.shape.logprobs(completion, top)
 
+    def _chunk_logprobs(self, chunk: StreamChunk, before: tuple[int, ...], prompt_index: int) -> dict | None:
+        """The log-probs of the tokens one streamed chunk carries (``before``: its choice's tokens in
+        earlier chunks), so a client reads each token's as it arrives, as from OpenAI and vLLM."""
+        if not self.body.wants_logprobs:
+            return None
+        recorder = self.recorders[prompt_index]
+        top = recorder.top(before + chunk.token_ids)[len(before):] if recorder is not None else None
+        return self.shape.logprobs(chunk, top)
+
     def _stop(self, completion: Completion) -> str | None:
         return stop_reason(completion, self.params.stop, self.server.engine.tokenizer)
 
@@ -586,17 +595,22 @@ class _Reply:
             turns: list[Turn] = []
             for p, handle in enumerate(handles):
                 finished: list[Completion] = []
+                streamed_ids: dict[int, tuple[int, ...]] = {}  # per choice, the tokens its chunks carried
                 async for chunk in handle:
                     index = p * n + chunk.branch_index
+                    before = streamed_ids.get(index, ())
+                    streamed_ids[index] = before + chunk.token_ids
                     if chunk.completion is None:
                         if chunk.text:
-                            yield self._event([self.shape.delta_choice(index, chunk.text)])
+                            yield self._event([self.shape.delta_choice(index, chunk.text,
+                                                                       self._chunk_logprobs(chunk, before, p))])
                         continue
                     completion = chunk.completion
                     finished.append(completion)
                     if finish is None:
                         yield self._event([self.shape.final_choice(
-                            index, chunk.text, completion, self._logprobs(completion, p), self._stop(completion))])
+                            index, chunk.text, completion, self._chunk_logprobs(chunk, before, p),
+                            self._stop(completion))])
                         continue
                     assert isinstance(self.shape, ChatShape)
                     turn = await finish(completion)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rksc_engine import Completion
+from rksc_engine import Completion, StreamChunk
 
 TopTokens = list[tuple[int, float]]  # (token id, logprob), most likely first
 
@@ -70,8 +70,10 @@ def _entry(token_text: TokenText, token_id: int, logprob: float) -> dict[str, An
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(completion: Completion, token_text: TokenText, top: list[TopTokens] | None) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+def chat_logprobs(completion: Completion | StreamChunk, token_text: TokenText, top: list[TopTokens] | None
+                  ) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat completion: ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    for a whole completion or for the tokens of one streamed chunk.
 
     Every generated token is listed, the EOS or stop-completing token included, so
     ``exp(mean(logprob))`` is the engine's ``Completion.confidence``.
@@ -84,7 +86,7 @@ def chat_logprobs(completion: Completion, token_text: TokenText, top: list[TopTo
     return {"content": content}
 
 
-def completion_logprobs(completion: Completion, token_text: TokenText, top: list[TopTokens] | None
+def completion_logprobs(completion: Completion | StreamChunk, token_text: TokenText, top: list[TopTokens] | None
                         ) -> dict[str, Any]:
     """``choices[i].logprobs`` of a legacy completion: ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (a ``{token: logprob}`` dict per position) and ``text_offset``."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rksc_engine import Completion
+from rksc_engine import Completion, StreamChunk
 from rksc_engine.structured.constrained import ToolCall
 from rksc_serve.logprobs import TokenText, TopTokens, chat_logprobs, completion_logprobs
 
@@ -103,7 +103,7 @@ class ChatShape:
     def __init__(self, token_text: TokenText) -> None:
         self.token_text = token_text
 
-    def logprobs(self, completion: Completion, top: list[TopTokens] | None) -> dict[str, Any]:
+    def logprobs(self, completion: Completion | StreamChunk, top: list[TopTokens] | None) -> dict[str, Any]:
         return chat_logprobs(completion, self.token_text, top)
 
     def choice(self, index: int, completion: Completion, logprobs: dict | None, stop: str | None) -> dict[str, Any]:
@@ -113,8 +113,8 @@ class ChatShape:
     def opening_choice(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta_choice(self, index: int, text: str) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    def delta_choice(self, index: int, text: str, logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
 
     def final_choice(self, index: int, text: str, completion: Completion, logprobs: dict | None,
                      stop: str | None) -> dict[str, Any]:
@@ -151,7 +151,7 @@ class TextShape:
     def __init__(self, token_text: TokenText) -> None:
         self.token_text = token_text
 
-    def logprobs(self, completion: Completion, top: list[TopTokens] | None) -> dict[str, Any]:
+    def logprobs(self, completion: Completion | StreamChunk, top: list[TopTokens] | None) -> dict[str, Any]:
         return completion_logprobs(completion, self.token_text, top)
 
     def choice(self, index: int, completion: Completion, logprobs: dict | None, stop: str | None) -> dict[str, Any]:
@@ -161,8 +161,8 @@ class TextShape:
     def opening_choice(self, index: int) -> dict[str, Any] | None:
         return None
 
-    def delta_choice(self, index: int, text: str) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    def delta_choice(self, index: int, text: str, logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def final_choice(self, index: int, text: str, completion: Completion, logprobs: dict | None,
                      stop: str | None) -> dict[str, Any]:

@@ -335,3 +335,68 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def save_tiny_model(directory, sample_when_asked: bool = True):
+    """Save the tiny model and its tokenizer to ``directory`` (``save_pretrained``), for a server
+    that loads a model directory. ``transformers serve`` samples only when the model's generation
+    config says ``do_sample`` (a request's temperature alone does not switch it on), so the saved
+    config says it where ``sample_when_asked``; temperature 0 still decodes greedily there."""
+    model = make_tiny_model(max_positions=4096)
+    model.generation_config.do_sample = sample_when_asked
+    model.save_pretrained(directory)
+    make_char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@contextlib.contextmanager
+def transformers_serving(model_dir, timeout_s: float = 240.0):
+    """Run ``transformers serve MODEL_DIR`` (the CLI installed with transformers) offline on a free
+    loopback port; yields the base URL (``http://127.0.0.1:PORT``) once ``/v1/models`` answers, and
+    stops the process after. Skips when the CLI or its serving extras are missing."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    exe = Path(sys.executable).with_name("transformers")
+    if not exe.exists():
+        pytest.skip("the transformers CLI is not installed beside this Python")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen([str(exe), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                                "--device", "cpu", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                               env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"transformers serve exited ({process.returncode}): {log.read()[-2000:]!r}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("transformers serve did not answer /v1/models in time")
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+        log.close()

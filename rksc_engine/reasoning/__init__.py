@@ -25,6 +25,7 @@ from .early_stop import (
     LengthConfig,
 )
 from .few_shot import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
+from .logprob_judge import LogprobJudgeVerifier
 from .self_consistency import (
     BranchAnswer,
     ReasoningResult,
@@ -51,6 +52,7 @@ __all__ = [
     "EarlyStopReport",
     "LLMJudgeVerifier",
     "LengthConfig",
+    "LogprobJudgeVerifier",
     "Problem",
     "ReasoningResult",
     "SearchNode",

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import CGEEConfig, SamplingParams
-from ..protocol import LocalEngine
+from ..protocol import LocalEngine, ServedEngine
 from ..runtime.cancel import CancelToken, check_cancel_token
 from ..runtime.handle import RequestCancelled
 from .answers import VoteConfig, VoteResult, extract_gsm8k_answer, majority_vote, resolve_vote, vote_answers
 from .cgee import VoteSummary, pick_answer, should_skip, summarise_votes
 from .early_stop import EarlyStopConfig, EarlyStopMonitor, EarlyStopReport, for_clustered_vote, resolve_early_stop
 from .few_shot import Problem, check_problems, few_shot_messages
+from .served import served_judge, served_limits
 from .verifier import CandidateScore, LLMJudgeVerifier, Verifier, as_verifier
 
 AnswerExtractor = Callable[[str], "str | None"]
@@ -102,6 +103,8 @@ class VerificationReport:
         num_layers: Decoder layers of the judge model, when it has them.
         verify_s: Wall time spent verifying.
         check_s: Part of ``verify_s`` spent on the layer-exit checks themselves.
+        levels: The CGEE levels that ran: 1 when the skip rule judged the vote, 2 when the verifier's
+            passes checked for a layer exit (a local judge with ``exit_enabled``); () for neither.
         time_saved_s: An *estimate* of the wall time CGEE saved on this call against verifying every
             candidate at full depth (see ``rksc_engine.reasoning.verifier``): for a skip, the verifier's
             measured full-depth cost per candidate times the candidates; for a pass that stopped
@@ -120,6 +123,7 @@ class VerificationReport:
     verify_s: float = 0.0
     check_s: float = 0.0
     time_saved_s: float | None = 0.0
+    levels: tuple[int, ...] = ()
 
     @property
     def layers_saved(self) -> int:
@@ -147,6 +151,9 @@ class ReasoningResult:
 
     ``branches[i].answer`` is what branch ``i`` answered; ``vote.answers[i]`` is what it voted for
     (the same for an exact vote, its cluster's answer for a clustered one), and ``votes`` counts those.
+
+    ``server_limits`` is empty for a local engine; over a server (``RemoteEngine``), one line per
+    thing the server does not provide and what was done instead (``rksc_engine.reasoning.served``).
     """
 
     answer: str | None
@@ -158,6 +165,12 @@ class ReasoningResult:
     completions: list = field(default_factory=list)  # the branches' Completions (token ids, cache reuse)
     early_stop: EarlyStopReport | None = None  # what early stopping did; None when it was off
     vote: VoteResult | None = None  # which vote ran, its clusters and their sizes
+    server_limits: tuple[str, ...] = ()
+
+    @property
+    def cgee_levels(self) -> tuple[int, ...]:
+        """The CGEE levels that ran (``VerificationReport.levels``): over a server, at most level 1."""
+        return self.verification.levels
 
     @property
     def num_truncated(self) -> int:
@@ -191,11 +204,14 @@ def resolve_extractor(answer_extractor: str | AnswerExtractor) -> AnswerExtracto
 _DEFAULT_JUDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def resolve_verifier(engine: LocalEngine, verifier: Verifier | Callable | None) -> Verifier:
+def resolve_verifier(engine: LocalEngine, verifier: Verifier | Callable | None) -> Verifier | None:
     """The engine's own default judge (one per engine) for None, a ``Verifier`` as is, or a callable
-    wrapped as a ``CallableVerifier``."""
+    wrapped as a ``CallableVerifier``. Over a server the default judge reads log-probs
+    (``LogprobJudgeVerifier``), or is None where the server sends no top log-probs."""
     if verifier is None:
         judge = _DEFAULT_JUDGES.get(engine)
+        if judge is None and isinstance(engine, ServedEngine):
+            return served_judge(engine)  # a judge of log-probs over a server, or None (the vote only)
         if judge is None:
             judge = _DEFAULT_JUDGES[engine] = LLMJudgeVerifier(engine)
         return judge
@@ -321,11 +337,12 @@ class ReasoningPlan:
     n: int
     params: SamplingParams
     extract: AnswerExtractor
-    judge: Verifier
+    judge: Verifier | None
     cgee: CGEEConfig
     early_stop: EarlyStopConfig | None = None
     cancel: CancelToken | None = None
     vote: VoteConfig = field(default_factory=VoteConfig)
+    server_limits: tuple[str, ...] = ()
 
 
 def default_cgee(engine: LocalEngine) -> CGEEConfig:
@@ -373,8 +390,8 @@ def plan_reasoning(
     voting = resolve_vote(vote)
     if voting.method == "cluster":
         stop = for_clustered_vote(stop)
-
-    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel, voting)
+    limits = served_limits(engine, stop, cgee, verifier is not None)
+    return ReasoningPlan(question, messages, n, params, extract, judge, cgee, stop, cancel, voting, limits)
 
 
 def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s: float,
@@ -388,7 +405,7 @@ def finish_reasoning(plan: ReasoningPlan, completions: Sequence[Any], generate_s
     answer, report, summary = verify_and_pick(plan.question, voted, plan.judge, plan.cgee)
     _, votes = majority_vote(result.answers)
     return ReasoningResult(answer, votes, branches, report, summary, generate_s, list(completions),
-                           monitor.report() if monitor is not None else None, result)
+                           monitor.report() if monitor is not None else None, result, plan.server_limits)
 
 
 def vote_branches(branches: Sequence[BranchAnswer], config: VoteConfig, *,
@@ -411,7 +428,8 @@ def verify_and_pick(
     """
     summary = summarise_votes([b.answer for b in branches], [b.confidence for b in branches])
     skip, why = should_skip(summary, cgee)
-    report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead)
+    report = VerificationReport(skipped=skip, reason=why, p=summary.p, lead=summary.lead,
+                                levels=(1,) if cgee.skip_enabled else ())
     if judge is None:
         return summary.winner, report, summary
     candidates = [answer for answer, _ in summary.shares]
@@ -424,6 +442,8 @@ def verify_and_pick(
     if isinstance(judge, LLMJudgeVerifier):
         report.scores, trace = judge.score_with_trace(question, candidates, cgee)
         report.num_layers, report.check_s, report.time_saved_s = trace.num_layers, trace.check_s, trace.time_saved_s
+        if cgee.exit_enabled:
+            report.levels += (2,)
     else:
         report.scores = judge.score(question, candidates, cgee)
     report.verify_s = time.perf_counter() - start

@@ -145,6 +145,8 @@ class SearchResult:
             (tokens the children decoded, blank ones and their continuations included), and
             ``stopped_by`` (per rule, children it stopped). Children are nodes: a blank child, which
             makes none, is not counted.
+        server_limits: Empty for a local search; over a server (``RemoteEngine.tree_search``), one
+            line per thing not done there (RSBCM's cache annotation) or the server does not provide.
     """
 
     answer: str | None
@@ -156,6 +158,7 @@ class SearchResult:
     wall_s: float
     cache_bytes_trace: list[int] = field(default_factory=list)
     early_stop: dict[str, Any] | None = None
+    server_limits: tuple[str, ...] = ()
 
     def path(self, index: int) -> list[SearchNode]:
         """Nodes from the root to ``nodes[index]``."""

@@ -47,13 +47,20 @@ def emit(request: Request, branch: Branch) -> None:
         safe = safe_stream_end(branch.text, request.params.stop)
         if safe > branch.emitted_chars:
             request.channel.push(StreamChunk(branch.text[branch.emitted_chars:safe], tuple(branch.pending_ids),
-                                             branch_index=branch.index))
+                                             branch_index=branch.index, logprobs=pending_logprobs(branch)))
             branch.emitted_chars, branch.pending_ids = safe, []
         return
     done = completion(request, branch)
     request.channel.push(StreamChunk(done.text[branch.emitted_chars:], tuple(branch.pending_ids), done,
-                                     branch_index=branch.index))
+                                     branch_index=branch.index, logprobs=pending_logprobs(branch)))
     branch.emitted_chars, branch.pending_ids = len(done.text), []
+
+
+def pending_logprobs(branch: Branch) -> tuple[float, ...]:
+    """The log-probabilities of ``branch.pending_ids``: its latest tokens, since pending ids are
+    appended as tokens are and cleared when streamed."""
+    count = len(branch.pending_ids)
+    return tuple(branch.logprobs[len(branch.logprobs) - count:]) if count else ()
 
 
 def completion(request: Request, branch: Branch) -> Completion:

@@ -68,14 +68,14 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine import EngineConfig, RemoteEngine, RKSCEngine, SamplingParams
 from rksc_engine.reasoning.cgee import CGEEConfig
 from rksc_engine.reasoning.early_stop import resolve_early_stop
 from rksc_engine.reasoning.few_shot import SYSTEM_PROMPT, Problem, check_problems, few_shot_messages
 from rksc_engine.reasoning.self_consistency import EXTRACTORS, ReasoningResult
 from rksc_engine.reasoning.verifier import CallableVerifier, Verifier, as_verifier
 from rksc_integrations._common import call_sampling_params, explicit_settings, normalise_stop
-from rksc_integrations._engines import shared_engine
+from rksc_integrations._engines import remote_engine_from_openai_llm, shared_engine
 from rksc_integrations.langchain._base import CACHE_EVENT, all_at_once
 from rksc_integrations.langchain.messages import content_text
 
@@ -254,14 +254,17 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
     """Verified self-consistency over one cached prefix, as a Runnable (``prompt | reasoner | parser``).
 
     Args:
-        llm: A ``ChatRKSC`` or ``RKSCLLM`` whose engine (and prefix cache) to share. Exclusive with
-            ``engine`` and ``model``; with none of them the embedded default engine is shared. The
-            settings set on it (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``,
-            ``seed``, and ``n`` or LlamaIndex's ``branches``) are the reasoner's defaults; the
-            reasoner's own arguments win. A temperature of 0 taken this way is kept: with ``n > 1``
-            every branch is then the same, which the reasoner warns about (pass ``temperature=`` to
-            the reasoner to sample its branches).
-        engine: An ``RKSCEngine``.
+        llm: A ``ChatRKSC`` or ``RKSCLLM`` whose engine (and prefix cache) to share, or an OpenAI
+            client model (``ChatOpenAI(base_url=..., model=..., api_key=...)``) whose server to
+            reason over: a ``RemoteEngine`` on its base URL, model and key (one per server in the
+            process). Exclusive with ``engine`` and ``model``; with none of them the embedded
+            default engine is shared. The settings set on it (``max_tokens``, ``temperature``,
+            ``top_p``, ``top_k``, ``stop``, ``seed``, and ``n`` or LlamaIndex's ``branches``) are the
+            reasoner's defaults; the reasoner's own arguments win. A temperature of 0 taken this way
+            is kept: with ``n > 1`` every branch is then the same, which the reasoner warns about
+            (pass ``temperature=`` to the reasoner to sample its branches).
+        engine: An ``RKSCEngine``, or a ``RemoteEngine`` (reasoning over its server; see
+            ``docs/remote_reasoning.md`` for what a server changes).
         **fields: The fields below. ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``
             (or ``max_tokens``), ``seed``, ``stop``, ``cgee`` and ``early_stop`` can also be passed per call
             (``invoke(q, n=4)``, ``.bind(n=4)``); other keyword arguments raise ``TypeError``.
@@ -311,13 +314,13 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
     ``"answered"``, ``"adaptive"``, ``"confidence"``, ``"length"``, an ``EarlyStopConfig``, or None (every
     branch to its end)."""
 
-    given_engine: RKSCEngine | None = Field(default=None, exclude=True, repr=False)
+    given_engine: RKSCEngine | RemoteEngine | None = Field(default=None, exclude=True, repr=False)
     """The engine passed as ``engine`` or taken from ``llm``. A field so that LangChain, which rebuilds a
     Runnable from its fields (``configurable_fields``), rebuilds this one on the same engine."""
 
-    _engine: RKSCEngine = PrivateAttr()
+    _engine: RKSCEngine | RemoteEngine = PrivateAttr()
 
-    def __init__(self, llm: Any = None, *, engine: RKSCEngine | None = None, **fields: Any) -> None:
+    def __init__(self, llm: Any = None, *, engine: RKSCEngine | RemoteEngine | None = None, **fields: Any) -> None:
         if engine is None:
             engine = fields.pop("given_engine", None)
         sources = [name for name, value in (("llm", llm), ("engine", engine), ("model", fields.get("model")))
@@ -325,15 +328,17 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
         if len(sources) > 1:
             raise ValueError(f"pass at most one of llm, engine and model; got {' and '.join(sources)}")
         if llm is not None:
-            engine = getattr(llm, "engine", None)
-            if not isinstance(engine, RKSCEngine):
-                raise TypeError(f"llm must be a ChatRKSC or RKSCLLM (anything with an RKSCEngine .engine), "
-                                f"got {type(llm).__name__}")
-            for name, value in _llm_settings(llm).items():
+            engine, settings = getattr(llm, "engine", None), _llm_settings(llm)
+            if not isinstance(engine, (RKSCEngine, RemoteEngine)):
+                engine, settings = remote_engine_from_openai_llm(llm), _openai_settings(llm)
+            if engine is None:
+                raise TypeError(f"llm must be a ChatRKSC or RKSCLLM (anything with an RKSCEngine .engine) or an "
+                                f"OpenAI client model (ChatOpenAI(base_url=...)), got {type(llm).__name__}")
+            for name, value in settings.items():
                 if name not in fields and not (name == "max_new_tokens" and "max_tokens" in fields):
                     fields[name] = value  # the reasoner's own arguments win
-        if engine is not None and not isinstance(engine, RKSCEngine):
-            raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
+        if engine is not None and not isinstance(engine, (RKSCEngine, RemoteEngine)):
+            raise TypeError(f"engine must be an RKSCEngine or a RemoteEngine, got {type(engine).__name__}")
         super().__init__(given_engine=engine, **fields)
         self._sampling_params({})  # a bad combination fails here, not at the first call
         self._engine = engine if engine is not None else shared_engine(
@@ -371,7 +376,7 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
         return value
 
     @property
-    def engine(self) -> RKSCEngine:
+    def engine(self) -> RKSCEngine | RemoteEngine:
         """The engine; share it with a ``ChatRKSC`` (``ChatRKSC(engine=reasoner.engine)``) to share its cache."""
         return self._engine
 
@@ -436,6 +441,8 @@ class MultiBranchReasoner(RunnableSerializable[ReasonerInput, ReasonerOutput]):
         early_stop = kwargs.get("early_stop", self.early_stop)
         resolve_early_stop(early_stop)  # a bad per-call value raises here, naming early_stop
         question, messages = self._prompt(input)
+        if isinstance(self._engine, RemoteEngine):  # the server tokenizes, and says how many tokens it read
+            return _Request(question, messages, params, n, cgee, early_stop)
         num_prompt_tokens = len(self._engine.encode(messages))  # also rejects a bad prompt early
         if num_prompt_tokens >= self._engine.context_window:
             raise ValueError(f"the prompt has {num_prompt_tokens} tokens; the model's context window is "
@@ -513,6 +520,13 @@ def _llm_settings(llm: Any) -> dict[str, Any]:
     return explicit_settings(llm, names)
 
 
+def _openai_settings(llm: Any) -> dict[str, Any]:
+    """The generation settings the user set on an OpenAI client model, by the reasoner's names."""
+    names = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+             "stop": "stop"}
+    return {name: value for name, value in explicit_settings(llm, names).items() if value is not None}
+
+
 def _check_question(question: Any) -> str:
     if not isinstance(question, str):
         raise TypeError(f"the question must be a string, got {type(question).__name__}")
@@ -573,11 +587,13 @@ def _cache_reuse(model_name: str, request: _Request, result: ReasoningResult) ->
     counts): one prefill of the prompt, its cached part reused, every generated token decoded."""
     completions = result.completions
     cached = completions[0].num_cached_tokens if completions else 0
+    # Over a server the prompt's tokens are the server's count.
+    num_prompt_tokens = request.num_prompt_tokens or max((c.num_prompt_tokens for c in completions), default=0)
     return CacheReuse(
         model_name=model_name,
-        num_prompt_tokens=request.num_prompt_tokens,
+        num_prompt_tokens=num_prompt_tokens,
         num_branches=request.n,
-        prompt_tokens_computed=request.num_prompt_tokens - cached,
+        prompt_tokens_computed=num_prompt_tokens - cached,
         prompt_tokens_reused=cached,
         prefills=1,
         decode_tokens=sum(c.num_generated_tokens for c in completions),

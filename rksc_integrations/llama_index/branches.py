@@ -40,10 +40,11 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import QueryBundle
 
 from rksc_engine.config import SamplingParams
-from rksc_engine.protocol import LocalEngine
+from rksc_engine.protocol import LocalEngine, ServedEngine
 from rksc_engine.reasoning.answers import VoteConfig, VoteResult, majority_vote
 from rksc_engine.reasoning.cgee import CGEEConfig
 from rksc_engine.reasoning.early_stop import EarlyStopConfig, EarlyStopMonitor, for_clustered_vote, resolve_early_stop
+from rksc_engine.reasoning.logprob_judge import LogprobJudgeVerifier
 from rksc_engine.reasoning.self_consistency import branch_answers, verify_and_pick, vote_branches
 from rksc_engine.reasoning.verifier import LLMJudgeVerifier, Verifier, as_verifier
 from rksc_engine.results import Completion
@@ -85,9 +86,10 @@ def normalise_answer(text: str) -> str | None:
     return key or None
 
 
-def make_verifier(engine: LocalEngine, verifier: Any) -> Verifier | None:
+def make_verifier(engine: LocalEngine | ServedEngine, verifier: Any) -> Verifier | None:
     """The verifier of ``RKSCLLM(verifier=...)``: ``"judge"`` (the engine as a Yes/No judge over the
-    prompt), a ``Verifier``, a callable ``fn(question, candidates) -> scores``, or None (vote only).
+    prompt; over a server the log-prob judge, or None where the server sends no top log-probs), a
+    ``Verifier``, a callable ``fn(question, candidates) -> scores``, or None (vote only).
 
     Raises:
         TypeError: Anything else.
@@ -97,6 +99,10 @@ def make_verifier(engine: LocalEngine, verifier: Any) -> Verifier | None:
     if isinstance(verifier, str):
         if verifier != "judge":
             raise ValueError(f"verifier must be 'judge', a Verifier, a callable or None, got {verifier!r}")
+        if isinstance(engine, ServedEngine):
+            if not engine.capabilities().top_logprobs:
+                return None
+            return LogprobJudgeVerifier(engine, system_prompt=JUDGE_SYSTEM_PROMPT, template=JUDGE_TEMPLATE)
         return LLMJudgeVerifier(engine, system_prompt=JUDGE_SYSTEM_PROMPT, template=JUDGE_TEMPLATE)
     resolved = as_verifier(verifier)
     if resolved is not None:

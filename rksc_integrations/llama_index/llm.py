@@ -54,13 +54,14 @@ from llama_index.core.base.llms.types import (
     ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.types import PydanticProgramMode
 
-from rksc_engine import Completion, RKSCEngine, SamplingParams
+from rksc_engine import Completion, RemoteEngine, RKSCEngine, SamplingParams
 from rksc_engine.config import ASKSConfig, EngineConfig
 from rksc_engine.reasoning.answers import VoteConfig, answer_key, resolve_vote
 from rksc_engine.reasoning.cgee import CGEEConfig
@@ -145,10 +146,15 @@ class _Piece:
 
 
 class RKSCLLM(FunctionCallingLLM):
-    """A LlamaIndex LLM backed by an ``RKSCEngine``.
+    """A LlamaIndex LLM backed by an ``RKSCEngine``, or by a ``RemoteEngine`` (a model a server runs).
 
     Args:
-        engine: An engine to share (its prefix cache is shared too). Exclusive with ``model``.
+        engine: An engine to share (its prefix cache is shared too). Exclusive with ``model``. A
+            ``RemoteEngine`` gives the multi-branch answers, early stop (``RKSCBranchQueryEngine``)
+            and the judge over its server (the log-prob judge; none where the server sends no top
+            log-probs); tools, JSON answers and ``reuse_retrieved_context`` need a local engine
+            and raise ``NotImplementedError``/``ValueError``; ``context_window`` is the server's to
+            know: pass it, else LlamaIndex's default is reported.
         model: A local Hugging Face model directory, loaded with ``RKSCEngine.from_pretrained``
             (weights are never downloaded). With neither, the embedded default model
             (SmolLM2-135M-Instruct) is loaded.
@@ -228,12 +234,13 @@ class RKSCLLM(FunctionCallingLLM):
         "own. Needs an engine built with ASKSConfig(reuse_chunks=True); with none given, one is built.",
     )
 
-    _engine: RKSCEngine = PrivateAttr()
+    _engine: RKSCEngine | RemoteEngine = PrivateAttr()
     _verifier: Any = PrivateAttr(default=None)
     _vote: VoteConfig = PrivateAttr(default_factory=VoteConfig)
 
     def __init__(
-        self, engine: RKSCEngine | None = None, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+        self, engine: RKSCEngine | RemoteEngine | None = None, model: str | None = None, *, device: str = "auto",
+        dtype: str = "auto",
         **fields: Any,
     ) -> None:
         model, device, dtype = _huggingface_llm_arguments(fields, model, device, dtype)
@@ -243,8 +250,8 @@ class RKSCLLM(FunctionCallingLLM):
                                               *HUGGINGFACE_LLM_ARGUMENTS], "RKSCLLM")
         if engine is not None and model is not None:
             raise ValueError("pass either engine or model, not both")
-        if engine is not None and not isinstance(engine, RKSCEngine):
-            raise TypeError(f"engine must be an RKSCEngine, got {type(engine).__name__}")
+        if engine is not None and not isinstance(engine, (RKSCEngine, RemoteEngine)):
+            raise TypeError(f"engine must be an RKSCEngine or a RemoteEngine, got {type(engine).__name__}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a local model directory, got {type(model).__name__}; for a model "
                             f"already loaded, pass engine=RKSCEngine(model, tokenizer)")
@@ -253,6 +260,13 @@ class RKSCLLM(FunctionCallingLLM):
         if self.cgee is not None and not isinstance(self.cgee, CGEEConfig):
             raise TypeError(f"cgee must be a CGEEConfig or None, got {type(self.cgee).__name__}")
         self._vote = resolve_vote(self.vote)
+        if isinstance(engine, RemoteEngine):
+            if self.reuse_retrieved_context:
+                raise ValueError("reuse_retrieved_context=True reuses KV in a local engine's cache; a RemoteEngine's "
+                                 "cache is its server's")
+            self._engine = engine
+            self._verifier = make_verifier(engine, self.verifier)
+            return
         # Like LangChain's ChatRKSC: one engine (and prefix cache) per model in the process.
         if self.reuse_retrieved_context and engine is None:
             engine = shared_engine(model, device, dtype, config=EngineConfig(asks=ASKSConfig.for_retrieved_context()))
@@ -276,11 +290,16 @@ class RKSCLLM(FunctionCallingLLM):
         return "RKSCLLM"
 
     @property
-    def engine(self) -> RKSCEngine:
+    def engine(self) -> RKSCEngine | RemoteEngine:
         return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
+        if isinstance(self._engine, RemoteEngine):  # the server applies its chat template; no tools here
+            return LLMMetadata(context_window=self.context_window or DEFAULT_CONTEXT_WINDOW,
+                               num_output=self.max_new_tokens,
+                               is_chat_model=True if self.is_chat_model is None else self.is_chat_model,
+                               is_function_calling_model=False, model_name=self._engine.model_name)
         function_calling = self.is_function_calling_model
         if function_calling is None:
             function_calling = tool_protocol.template_takes_tools(self._engine.tokenizer)
@@ -310,6 +329,8 @@ class RKSCLLM(FunctionCallingLLM):
         return super()._get_messages(prompt, **self._retrieved_context(prompt_args))
 
     def _has_chat_template(self) -> bool:
+        if isinstance(self._engine, RemoteEngine):
+            return True  # chat messages go to the server, which renders them
         return bool(getattr(self._engine.tokenizer, "chat_template", None))
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> _Prompt:
@@ -328,6 +349,8 @@ class RKSCLLM(FunctionCallingLLM):
         self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None = None, tool_required: bool = False,
         tool_choice: Any = None, output_schema: dict[str, Any] | None = None,
     ) -> _Prompt:
+        if isinstance(self._engine, RemoteEngine):
+            return self._remote_chat_prompt(messages, tools, output_schema)
         request = ToolRequest.build([_tool_schema(t) for t in tools or ()], "any" if tool_required else tool_choice)
         engine_messages, template_kwargs = tool_protocol.offer_tools(
             to_engine_messages(messages, self.system_prompt), request, self._engine.tokenizer,
@@ -344,6 +367,17 @@ class RKSCLLM(FunctionCallingLLM):
             prompt = engine_messages
         return _Prompt(prompt, request, output_schema)
 
+    def _remote_chat_prompt(self, messages: Sequence[ChatMessage], tools: Sequence[Any] | None,
+                            output_schema: dict[str, Any] | None) -> _Prompt:
+        """A chat prompt for a server: its messages as they are (the server renders them)."""
+        if tools or output_schema is not None:
+            raise NotImplementedError("tools and JSON answers are decoded under their schema in the decode loop, "
+                                      "which needs a local RKSCEngine; a RemoteEngine sends free text only")
+        engine_messages = to_engine_messages(messages, self.system_prompt)
+        if self.messages_to_prompt is not generic_messages_to_prompt:
+            return _Prompt(self.messages_to_prompt(_llama_messages(engine_messages)))
+        return _Prompt(engine_messages)
+
     # -- generation core ------------------------------------------------------------------------
     def _params(self, kwargs: dict[str, Any]) -> tuple[SamplingParams, int]:
         # The call's stops replace the field's; greedy branches would be identical, so several
@@ -354,7 +388,7 @@ class RKSCLLM(FunctionCallingLLM):
     def _cgee(self) -> CGEEConfig:
         if self.cgee is not None:
             return self.cgee
-        return getattr(self._engine.config, "cgee", None) or CGEEConfig()
+        return getattr(getattr(self._engine, "config", None), "cgee", None) or CGEEConfig()
 
     def _report(self, completion: Completion, n: int, num_generated_tokens: int | None = None) -> dict[str, Any]:
         stats = self._engine.stats()

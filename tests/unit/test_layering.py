@@ -43,7 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocol", ("rksc_engine.protocol",)),
     ("reasoning", ("rksc_engine.reasoning", "rksc_engine.structured")),
     ("evaluation", ("rksc_engine.evaluation",)),
-    ("facade", ("rksc_engine.engine", "rksc_engine.remote")),
+    ("facade", ("rksc_engine.engine", "rksc_engine.remote", "rksc_engine.remote_branches", "rksc_engine.remote_probe",
+                "rksc_engine.remote_wire")),
     # the package's names
     ("package", ("rksc_engine.__init__",)),
     ("adapters", ("rksc_integrations", "rksc_serve", "rksc_bench")),

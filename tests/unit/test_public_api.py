@@ -26,7 +26,7 @@ EXPORTED = {
     "EngineConfig", "EngineStats", "ForwardOutOfMemoryError", "LRUPolicy", "LocalEngine", "OmegaPolicy",
     "Prefilled", "PrefixCacheConfig", "PrefixMatch", "RKSCEngine", "RSBCMConfig", "RadixPrefixCache",
     "RemoteEngine", "RemoteServerError", "RequestCancelled", "RequestHandle", "SamplingParams",
-    "SchedulerConfig", "SearchNode", "SearchResult", "StreamChunk",
+    "SchedulerConfig", "SearchNode", "SearchResult", "ServedEngine", "ServerCapabilities", "StreamChunk",
 }
 
 # The homes of the names users were shown; each must keep importing.
@@ -43,7 +43,7 @@ DOCUMENTED = {
     "rksc_engine.structured.tools": ["decode_tool_call"],
     "rksc_engine.config": ["ASKSConfig", "RSBCMConfig", "EngineConfig", "SamplingParams"],
     "rksc_engine.reasoning": ["reason", "areason", "ReasoningResult", "tree_search", "few_shot_messages",
-                              "EarlyStopConfig", "LLMJudgeVerifier"],
+                              "EarlyStopConfig", "LLMJudgeVerifier", "LogprobJudgeVerifier"],
 }
 
 

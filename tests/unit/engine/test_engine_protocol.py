@@ -67,13 +67,16 @@ def test_a_remote_engine_is_an_engine_but_not_a_local_engine(remote):
     assert not present, f"RemoteEngine has what needs the model in this process: {present}"
 
 
-@pytest.mark.parametrize("keyword", [{"monitor": lambda *a: None}, {"max_branches": 4},
-                                     {"logits_processor": lambda ids, scores: scores}])
-def test_a_remote_engine_refuses_what_only_runs_in_the_decode_loop_before_sending(remote, keyword):
+@pytest.mark.parametrize(("keyword", "error", "match"), [
+    ({"logits_processor": lambda ids, scores: scores}, NotImplementedError, "logits processor"),
+    ({"monitor": lambda *a: None}, TypeError, "observe"),
+    ({"max_branches": 4}, ValueError, "needs a monitor"),
+    ({"max_branches": 1}, ValueError, "max_branches must be >= n"),
+])
+def test_a_remote_engine_refuses_what_it_cannot_run_before_sending(remote, keyword, error, match):
     sent = []
     remote._workers.submit = sent.append  # nothing may be queued for the network
-    (name,) = keyword
-    with pytest.raises(NotImplementedError, match=name.split("_")[0]):
+    with pytest.raises(error, match=match):
         remote.submit("hello", 2, **keyword)
     assert sent == [] and remote.stats().requests == 0
 

@@ -131,10 +131,8 @@ def test_token_ids_and_local_only_features_raise_clear_errors(remote):
         remote.generate([5, 6, 7])
     with pytest.raises(NotImplementedError, match="local RKSCEngine"):
         remote.submit("hi", logits_processor=lambda ids, logits: logits)
-    with pytest.raises(NotImplementedError, match="local RKSCEngine"):
-        remote.tree_search("What is 2 + 3?")
-    with pytest.raises(NotImplementedError, match="local RKSCEngine"):
-        remote.reason("What is 2 + 3?")
+    with pytest.raises(TypeError, match="prompt must be text over a server"):
+        remote.tree_search("What is 2 + 3?", prompt=MESSAGES)
     with pytest.raises(AttributeError, match="RSBCM"):
         _ = remote.config
 

@@ -150,7 +150,7 @@ def test_streamed_chunks_concatenate_to_the_greedy_text_and_end_with_usage(clien
         assert all(e["object"] == "chat.completion.chunk" for e in events)
 
 
-def test_a_streamed_choices_logprobs_arrive_whole_in_its_last_chunk(client, engine):
+def test_a_streamed_choices_logprobs_arrive_with_the_tokens_of_each_chunk(client, engine):
     params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=5)
     branches = engine.generate_branches(MESSAGES, 2, params)
     fields = {"messages": MESSAGES, "n": 2, "max_tokens": 10, "temperature": 0.9, "seed": 5, "logprobs": True,
@@ -159,11 +159,13 @@ def test_a_streamed_choices_logprobs_arrive_whole_in_its_last_chunk(client, engi
         events, done = sse_events(list(s.iter_lines()))
     assert done
     for branch in branches:
-        mine = [c for e in events for c in e["choices"] if c["index"] == branch.branch_index]
+        mine = [c for e in events for c in e["choices"] if c["index"] == branch.branch_index and "logprobs" in c]
         assert "".join(c["delta"].get("content") or "" for c in mine) == branch.text
-        assert [c["logprobs"] is not None for c in mine] == [False] * (len(mine) - 1) + [True]
-        content = mine[-1]["logprobs"]["content"]
+        carrying = [c for c in mine if c["logprobs"] is not None]
+        assert len(carrying) > 1, "the log-probs must stream with their tokens, not only in the last chunk"
+        content = [e for c in carrying for e in c["logprobs"]["content"]]
         assert [e["logprob"] for e in content] == pytest.approx(list(branch.logprobs), abs=1e-4)
+        assert "".join(e["token"] for e in content).startswith(branch.text)
         assert all(len(e["top_logprobs"]) == 1 for e in content)
 
 

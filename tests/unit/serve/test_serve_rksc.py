@@ -1,7 +1,7 @@
 """``rksc serve``'s own endpoints on the tiny model: ``/v1/rksc/reason`` and ``/v1/rksc/tree_search``
 answer what ``engine.reason`` / ``engine.tree_search`` answer for the same arguments, bad bodies are
 400s naming the field, the key guards them, ``/metrics`` counts them, and an engine that cannot
-reason (a ``RemoteEngine``) answers 501."""
+reason answers 501."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from rksc_engine import CGEEConfig, EngineConfig, RemoteEngine  # noqa: E402
+from rksc_engine import CGEEConfig, EngineConfig  # noqa: E402
 from rksc_engine.config import MAX_SEED  # noqa: E402
 from rksc_engine.reasoning.early_stop import ConfidenceConfig, EarlyStopConfig, LengthConfig  # noqa: E402
 from rksc_engine.reasoning.few_shot import (
@@ -320,14 +320,21 @@ class GenerationOnly:
         return getattr(self._engine, name)
 
 
-class LikeRemote(GenerationOnly):
-    """The tiny engine's generation API with ``RemoteEngine``'s own ``reason`` and ``tree_search``,
-    which raise ``NotImplementedError``."""
+class CannotReason(GenerationOnly):
+    """The tiny engine's generation API with ``reason`` and ``tree_search`` that raise
+    ``NotImplementedError``, as an engine that cannot reason does."""
 
-    reason, areason, tree_search = RemoteEngine.reason, RemoteEngine.areason, RemoteEngine.tree_search
+    def reason(self, question, **kwargs):
+        raise NotImplementedError("reason needs a local RKSCEngine here")
+
+    async def areason(self, question, **kwargs):
+        return self.reason(question, **kwargs)
+
+    def tree_search(self, question, **kwargs):
+        raise NotImplementedError("tree_search needs a local RKSCEngine here")
 
 
-@pytest.mark.parametrize("wrapper", [GenerationOnly, LikeRemote])
+@pytest.mark.parametrize("wrapper", [GenerationOnly, CannotReason])
 def test_an_engine_that_cannot_reason_answers_501_and_still_serves_chat(engine, wrapper):
     client = TestClient(create_app(wrapper(engine)))
     for path, fields in (("/v1/rksc/reason", {"n": 2}), ("/v1/rksc/tree_search", {"breadth": 2})):
