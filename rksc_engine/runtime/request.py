@@ -21,6 +21,7 @@ from ..kvcache.radix import RadixNode
 from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
+from .drafts import DraftIndex
 from .handle import BranchMonitor, LogitsProcessor, RequestChannel
 from .model_runner import DecodeLayout
 from .prefix_access import Prefilled, PromptSegments
@@ -73,6 +74,8 @@ class Branch:
     emitted_chars: int = 0  # for streaming: how much of `text` has been handed out
     pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
     skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
+    drafted_tokens: int = 0  # draft tokens proposed for it and verified (``drafted_step``)
+    accepted_draft_tokens: int = 0  # of those, the ones it kept: each one a forward it did not need
 
 
 @dataclass
@@ -163,6 +166,12 @@ class Request:
     # SharedPrefixCache or StaticRows (batched with others), or a transformers DynamicCache (alone).
     cache: Cache | StaticRows | None = None
     next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
+    # With drafting, per row the tokens it took before its next token whose KV is not kept yet: a
+    # verify forward keeps as many positions for every row of a request as its slowest row accepted,
+    # so a faster row feeds the rest again (``drafted_step``). Empty when no row has any.
+    backlog: list[list[int]] = field(default_factory=list)
+    draft_index: DraftIndex | None = None  # its drafts' sources, made on its first drafted step
+    decode_forwards: int = 0  # decode forwards its rows took part in (since it last started)
     max_new: int = 0
     num_cached_tokens: int = 0
     exact: bool = True

@@ -48,6 +48,7 @@ import logging
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,9 +58,10 @@ from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRowPool
 from ..results import EngineStats
 from .admission import Admission
-from .batch_forward import forward_rows, forward_static_rows
+from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
 from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
+from .drafted_step import StepInputs, forward_drafted, kept_positions, may_draft, plan_step, verify
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
@@ -357,18 +359,24 @@ class Scheduler:
         batched = [r for r in running if r.shared]
         static = [r for r in running if r.static]
         alone = [r for r in running if not r.shared and not r.static]
-        mixed = self.admission.forward_with_pack(batched, pack) if batched and pack else None
+        config = self._config
+        plans = plan_step(batched, config.draft_tokens, config.draft_sources) if config.draft_tokens and batched else None
+        mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
         prefilled: list[Prefilled] | None = None
         stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
         if mixed is not None:
             logits, row_ranges, prefilled = mixed
             stepped = (logits, row_ranges)
+        elif plans is not None:
+            self._decode_drafted(running, batched, plans)
         elif batched:
             try:
                 stepped = forward_rows(runner, batched)
             except Exception as error:
                 self._decode_failed(error, running, batched)
         if stepped is not None:
+            for request in batched:
+                request.decode_forwards += 1
             self._advance_rows(batched, *stepped)
         if static:
             try:
@@ -413,6 +421,67 @@ class Scheduler:
             next_tokens = None if pool is not None else greedy[0][start:stop]
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
 
+    def _decode_drafted(self, running: list[Request], batched: list[Request], plans: list[StepInputs]) -> None:
+        """``batched`` one step further in one forward over their ``plans``' positions (drafts and
+        backlogs, ``drafted_step``); each request's KV then keeps what its rows verified."""
+        lengths = suffix_lengths(batched)
+        try:
+            logits, row_ranges = forward_drafted(self.runner, batched, plans)  # (rows, T, V)
+        except Exception as error:
+            self._decode_failed(error, running, batched)
+            return
+        self.counters.count("draft_forwards")
+        for request, plan, length, (start, stop) in zip(batched, plans, lengths, row_ranges):
+            request.decode_forwards += 1
+            if plan.verifies:
+                self._run_guarded(request, lambda r=request, p=plan, n=length, s=start, e=stop:
+                                  self._advance_verified(r, logits[s:e], p, n))
+            else:  # its rows' tokens from their first position, as in an ordinary step
+                roll_back([request], [length + 1])
+                self._advance_or_fail(request, logits[start:stop, 0])
+
+    def _advance_verified(self, request: Request, logits: torch.Tensor, plan: StepInputs, length: int) -> bool:
+        """Advance ``request`` by what its rows verified in a drafted step (``drafted_step.verify``):
+        record and stream their tokens, keep the KV every row that goes on verified (rows that
+        verified more keep the rest as backlog), retire finished branches. ``logits``: its rows
+        (R, T, V); ``length``: its suffix length before the step. Returns whether it still has rows."""
+        params, counters = request.params, self.counters
+        generators = [request.generators[b] for b in request.active] if request.generators else []
+        taken = verify(logits, plan, params, generators)
+        verified: list[int | None] = []
+        for row, b in enumerate(request.active):
+            branch, (tokens, logprobs), draft = request.branches[b], taken[row], plan.drafts[row]
+            appended = 0
+            for token, logprob in zip(tokens, logprobs):
+                append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids, self.tokenizer)
+                appended += 1
+                if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
+                    break
+            accepted = min(appended, len(tokens) - 1)
+            counters.count("decode_tokens", appended)
+            if draft is not None:
+                branch.drafted_tokens += len(draft.tokens)
+                branch.accepted_draft_tokens += accepted
+                for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
+                                     ("rejected_draft_tokens", len(draft.tokens) - accepted)):
+                    counters.count(name, amount)
+                    counters.count(f"{name}_{draft.source}", amount)
+            verified.append(plan.num_known[row] + accepted if branch.finish_reason is None else None)
+        kept = kept_positions(plan, verified)
+        roll_back([request], [length + kept])
+        backlog = [plan.rows[row][kept:count] if count is not None else [] for row, count in enumerate(verified)]
+        request.backlog = backlog if any(backlog) else []
+        if request.backlog:  # tokens whose KV was computed and is computed again next step
+            counters.count("draft_backlog_tokens", sum(len(tokens) for tokens in backlog))
+        request.next_tokens = torch.tensor([tokens[-1] for tokens, _ in taken], device=self.runner.device)
+        if request.stream:
+            for b in request.active:
+                emit(request, request.branches[b])
+        if not stop_branches(request, counters, self.runner.device):
+            self._member_done(request)
+            return False
+        return True
+
     def _decode_failed(self, error: Exception, running: list[Request], failed: list[Request]) -> None:
         """A decode forward over ``failed`` raised ``error`` (every cache was rolled back). Out of
         memory even after evicting and retrying, with another request to go on: preempt the newest
@@ -434,10 +503,16 @@ class Scheduler:
                          next_tokens: torch.Tensor | None = None) -> bool:
         """``_advance``, but an error (a failing logits processor or monitor, say) fails this request
         alone; only a ``KeyboardInterrupt`` on the main thread stops the step (module docstring)."""
+        return self._run_guarded(request, lambda: self._advance(request, logits, chosen, next_tokens))
+
+    def _run_guarded(self, request: Request, advance: Callable[[], bool]) -> bool:
+        """``advance()`` (one of ``request``'s advances), but an error fails this request alone; only a
+        ``KeyboardInterrupt`` on the main thread stops the step (module docstring). False, without
+        calling it, for a request that failed earlier in this step."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
         try:
-            return self._advance(request, logits, chosen, next_tokens)
+            return advance()
         except KeyboardInterrupt as error:
             if threading.current_thread() is threading.main_thread():
                 raise  # the user's Ctrl-C, wherever the main thread was: it stops the step (module docstring)
@@ -541,6 +616,7 @@ class Scheduler:
             request.replay.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
                                         for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
+        request.backlog, request.draft_index, request.decode_forwards = [], None, 0
         self.counters.count("preemptions")
         self.requests.move(request, RequestStatus.WAITING, first=True)
 
@@ -565,6 +641,10 @@ class Scheduler:
         """``request`` (the submitted request or one of its waves) has no rows left: free its rows' KV
         and, once no wave of the submitted request is left, finish it."""
         head = request.head
+        if self._config.draft_tokens and may_draft(request) and request.branches:
+            # Without drafting its longest branch takes one forward a token after its first.
+            longest = max(len(b.token_ids) for b in request.branches)
+            self.counters.count("draft_steps_saved", max(0, longest - 1 - request.decode_forwards))
         head.branching.live_members -= 1
         if request is not head or head.branching.live_members > 0:
             self.kv.drop_cache(request)  # the prompt lives on in the owner's fork for the other waves
