@@ -81,7 +81,7 @@ def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[
         head = request.head
         if head.draft_index is None:
             head.draft_index = DraftIndex(head.prompt_ids)
-        head.draft_index.catch_up(head.branches)
+        head.draft_index.catch_up((branch.index, branch.token_ids) for branch in head.branches)
         inputs, known, drafts = [], [], []
         for row, b in enumerate(request.active):
             branch = request.branches[b]
@@ -89,7 +89,7 @@ def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[
             # A row feeds at most k + 1 positions; the draft may not run past the branch's budget.
             limit = min(draft_tokens, draft_tokens + 1 - len(row_inputs),
                         request.max_new - len(branch.token_ids) - 1)
-            draft = head.draft_index.propose(branch, limit, sources)
+            draft = head.draft_index.propose(branch.index, branch.token_ids, limit, sources)
             inputs.append(row_inputs + list(draft.tokens) if draft is not None else row_inputs)
             known.append(len(row_inputs))
             drafts.append(draft)

@@ -19,12 +19,8 @@ Callers hold the engine lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .request import Branch
 
 # Lengths of the n-grams matched, longest first: a longer match predicts its continuation better, a
 # shorter one matches more often.
@@ -91,25 +87,25 @@ class DraftIndex:
         self.prompt = NgramIndex(prompt_ids)
         self.generated: dict[int, NgramIndex] = {}  # branch index -> its generated tokens' index
 
-    def catch_up(self, branches: Sequence[Branch]) -> None:
-        """Index what ``branches`` generated since the last call."""
-        for branch in branches:
-            index = self.generated.get(branch.index)
+    def catch_up(self, generated: Iterable[tuple[int, Sequence[int]]]) -> None:
+        """Index what the branches generated since the last call: ``(branch index, its tokens)`` each."""
+        for branch_index, token_ids in generated:
+            index = self.generated.get(branch_index)
             if index is None:
-                index = self.generated[branch.index] = NgramIndex()
-            index.catch_up(branch.token_ids)
+                index = self.generated[branch_index] = NgramIndex()
+            index.catch_up(token_ids)
 
-    def propose(self, branch: Branch, limit: int, sources: Sequence[str]) -> Draft | None:
-        """Up to ``limit`` tokens to follow ``branch``, from the first of ``sources`` whose index
-        continues its last tokens, longest match first (module docstring); None when none does.
-        The indexes must be caught up with the branches (``catch_up``)."""
+    def propose(self, branch_index: int, token_ids: Sequence[int], limit: int, sources: Sequence[str]) -> Draft | None:
+        """Up to ``limit`` tokens to follow branch ``branch_index``, which has generated ``token_ids``,
+        from the first of ``sources`` whose index continues its last tokens, longest match first
+        (module docstring); None when none does. The indexes must be caught up (``catch_up``)."""
         if limit < 1:
             return None
-        tail = (self.prompt_ids[-MAX_NGRAM:] + branch.token_ids)[-MAX_NGRAM:]
+        tail = (self.prompt_ids[-MAX_NGRAM:] + list(token_ids[-MAX_NGRAM:]))[-MAX_NGRAM:]
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             key = tuple(tail[-n:])
             for source in sources:
-                for index in self._indexes(source, branch.index):
+                for index in self._indexes(source, branch_index):
                     found = index.continuation(key, limit)
                     if found:
                         return Draft(tuple(found), source)

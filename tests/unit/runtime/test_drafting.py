@@ -13,7 +13,6 @@ from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.runtime.drafted_step import StepInputs, kept_positions, verify
 from rksc_engine.runtime.drafts import Draft, DraftIndex, NgramIndex
-from rksc_engine.runtime.request import Branch
 from rksc_engine.runtime.sampling import choose_next_tokens
 
 # Repetitive text, so drafts from the prompt and from the branches' own loops are accepted often.
@@ -57,27 +56,26 @@ def test_an_index_catches_up_with_a_growing_sequence_and_starts_over_for_another
 
 def test_a_draft_takes_the_longest_match_and_the_sources_in_their_order():
     index = DraftIndex([5, 6, 7, 8, 50, 6, 7, 60])
-    own, sibling = Branch(0, token_ids=[5, 6, 7]), Branch(1, token_ids=[40, 6, 7, 70, 71])
-    index.catch_up([own, sibling])
+    own, sibling = [5, 6, 7], [40, 6, 7, 70, 71]
+    index.catch_up([(0, own), (1, sibling)])
     # (5, 6, 7) is in the prompt only: the longest match wins over (6, 7) in the sibling.
-    assert index.propose(own, 3, ("siblings", "prompt")) == Draft((8, 50, 6), "prompt")
-    own.token_ids.append(9)
-    own.token_ids += [6, 7]  # now ends (9, 6, 7): only (6, 7) matches, in the prompt and the sibling
-    index.catch_up([own, sibling])
-    assert index.propose(own, 2, ("siblings", "prompt")) == Draft((70, 71), "siblings")
-    assert index.propose(own, 2, ("prompt", "siblings")) == Draft((9, 6), "prompt"), \
+    assert index.propose(0, own, 3, ("siblings", "prompt")) == Draft((8, 50, 6), "prompt")
+    own += [9, 6, 7]  # now ends (9, 6, 7): only (6, 7) matches, in its own text, the prompt and the sibling
+    index.catch_up([(0, own), (1, sibling)])
+    assert index.propose(0, own, 2, ("siblings", "prompt")) == Draft((70, 71), "siblings")
+    assert index.propose(0, own, 2, ("prompt", "siblings")) == Draft((9, 6), "prompt"), \
         "the branch's own earlier (6, 7) comes before the prompt's"
-    assert index.propose(Branch(2, token_ids=[6, 7]), 2, ("prompt",)) == Draft((60,), "prompt"), \
+    assert index.propose(2, [6, 7], 2, ("prompt",)) == Draft((60,), "prompt"), \
         "the prompt's latest (6, 7) is followed by one token"
-    assert index.propose(own, 0, ("prompt",)) is None
+    assert index.propose(0, own, 0, ("prompt",)) is None
 
 
 def test_the_siblings_source_never_reads_the_branch_itself():
     index = DraftIndex([1, 1, 1])
-    own = Branch(0, token_ids=[4, 5, 6, 4, 5])
-    index.catch_up([own])
-    assert index.propose(own, 2, ("siblings",)) is None
-    assert index.propose(own, 2, ("prompt",)) == Draft((6, 4), "prompt"), "its own text is the prompt source's"
+    own = [4, 5, 6, 4, 5]
+    index.catch_up([(0, own)])
+    assert index.propose(0, own, 2, ("siblings",)) is None
+    assert index.propose(0, own, 2, ("prompt",)) == Draft((6, 4), "prompt"), "its own text is the prompt source's"
 
 
 # -- verification ---------------------------------------------------------------------------------
