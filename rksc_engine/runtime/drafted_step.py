@@ -1,26 +1,24 @@
 """A decode step that verifies drafts: speculative decoding, token-identical to decoding without it.
 
-With ``SchedulerConfig.draft_tokens`` set, each running branch of a request that may draft (no
-logits processor, no branch monitor: both see one token a branch a step) proposes up to ``k`` next
-tokens (``drafts``). A step with a draft or a backlog anywhere runs every shared-prefix row over
-``T`` positions in one forward (``forward_drafted``): the row's known tokens (its backlog, then its
-next token), its draft, and padding to ``T``; attention is causal within a row's positions, so
-padding changes nothing before it. Then, row by row (``verify``):
+With ``SchedulerConfig.draft_tokens`` set, a request that may draft (no logits processor, no branch
+monitor: both see one token a branch a step) decodes each branch as a member of one row (the
+scheduler starts its other branches as waves), since a member's rows share one suffix length. Each
+such row proposes up to ``k`` next tokens (``drafts``). A step with a draft anywhere runs every
+shared-prefix row over ``T`` positions in one forward (``forward_drafted``): the row's next token,
+its draft, and padding to ``T``; attention is causal within a row's positions, so padding changes
+nothing before it. Then, for each drafting row (``verify``):
 
-* the row's token after its last known token is chosen from that position's logits exactly as an
-  ordinary step chooses it (``choose_next_tokens``: argmax, or one draw from the branch's own
-  generator); while it equals the draft's token there, the next position's is chosen the same way;
-  the first token that differs, or the one after the whole draft, ends the row's step. Every token
-  a row takes costs one draw, as in ordinary decoding, and no draw is made past it, so a seeded
-  branch takes the tokens it takes without drafting (the bits of the logits may differ, as any
-  batched product's do);
-* a request's rows share one suffix length, so its KV keeps the positions that every one of its
-  rows verified (``kept_positions``) and forgets the rest (``batch_forward.roll_back``); a row that
-  verified more keeps the tokens past that as its **backlog**, fed again before its next token in
-  the next step. A row's inputs never exceed ``k + 1`` positions, backlog included.
+* its token after its next token is chosen from that position's logits exactly as an ordinary step
+  chooses it (``choose_next_tokens``: argmax, or one draw from the branch's own generator); while it
+  equals the draft's token there, the next position's is chosen the same way; the first token that
+  differs, or the one after the whole draft, ends the row's step. Every token a row takes costs one
+  draw, as in ordinary decoding, and no draw is made past it, so a seeded branch takes the tokens it
+  takes without drafting (the bits of the logits may differ, as any batched product's do);
+* its KV keeps the positions of its next token and the draft tokens it accepted, and forgets the
+  rest (``batch_forward.roll_back``).
 
 A request that may not draft takes its rows' tokens from their first position, as in an ordinary
-step. Callers hold the engine lock.
+step, and forgets the rest. Callers hold the engine lock.
 """
 
 from __future__ import annotations
@@ -44,15 +42,13 @@ class StepInputs:
     """What one request's rows feed a drafted step.
 
     Attributes:
-        rows: Per row, its known tokens (backlog, then its next token) and then its draft's.
-        num_known: Per row, how many of ``rows`` are known.
+        rows: Per row, its next token and then its draft's tokens.
         drafts: Per row, its draft (None when it has none).
-        verifies: Whether the request takes its tokens by verification; otherwise it may not draft,
-            and takes one token a row from its first position.
+        verifies: Whether the request takes its tokens by verification (it may draft); otherwise
+            it takes one token a row from its first position.
     """
 
     rows: list[list[int]]
-    num_known: list[int]
     drafts: list[Draft | None]
     verifies: bool
 
@@ -68,35 +64,27 @@ def may_draft(request: Request) -> bool:
 
 
 def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[str]) -> list[StepInputs] | None:
-    """Each of ``requests``' inputs to a drafted step, drafts proposed now; None when no row has a
-    draft or a backlog (an ordinary step then does the same work in one position a row)."""
+    """Each of ``requests``' inputs to a drafted step, drafts proposed now for the rows of the
+    requests that may draft and decode one row (``may_draft``); None when no row has a draft (an
+    ordinary step then does the same work in one position a row)."""
     next_ids = torch.cat([r.next_tokens for r in requests]).tolist()  # one read for the batch
-    plans, start, wide = [], 0, False
+    plans, start, drafted = [], 0, False
     for request in requests:
         rows = len(request.active)
         ids, start = next_ids[start:start + rows], start + rows
-        if not may_draft(request):
-            plans.append(StepInputs([[t] for t in ids], [1] * rows, [None] * rows, False))
+        if rows != 1 or not may_draft(request):
+            plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
             continue
-        head = request.head
+        head, branch = request.head, request.branches[request.active[0]]
         if head.draft_index is None:
             head.draft_index = DraftIndex(head.prompt_ids)
-        head.draft_index.catch_up((branch.index, branch.token_ids) for branch in head.branches)
-        inputs, known, drafts = [], [], []
-        for row, b in enumerate(request.active):
-            branch = request.branches[b]
-            row_inputs = [*(request.backlog[row] if request.backlog else ()), ids[row]]
-            # A row feeds at most k + 1 positions; the draft may not run past the branch's budget.
-            limit = min(draft_tokens, draft_tokens + 1 - len(row_inputs),
-                        request.max_new - len(branch.token_ids) - 1)
-            draft = head.draft_index.propose(branch.index, branch.token_ids, limit, sources)
-            inputs.append(row_inputs + list(draft.tokens) if draft is not None else row_inputs)
-            known.append(len(row_inputs))
-            drafts.append(draft)
-        plan = StepInputs(inputs, known, drafts, True)
-        wide = wide or plan.width > 1
-        plans.append(plan)
-    return plans if wide else None
+        head.draft_index.catch_up((b.index, b.token_ids) for b in head.branches)
+        # The draft may not run past the branch's budget: its last token is the one after the draft.
+        limit = min(draft_tokens, request.max_new - len(branch.token_ids) - 1)
+        draft = head.draft_index.propose(branch.index, branch.token_ids, limit, sources)
+        drafted = drafted or draft is not None
+        plans.append(StepInputs([[ids[0], *(draft.tokens if draft is not None else ())]], [draft], True))
+    return plans if drafted else None
 
 
 def forward_drafted(runner: ModelRunner, requests: Sequence[Request], plans: Sequence[StepInputs]
@@ -121,31 +109,23 @@ def verify(logits: torch.Tensor, plan: StepInputs, params: SamplingParams, gener
            ) -> list[tuple[list[int], list[float]]]:
     """Per row of one request, the tokens it takes from its drafted step and their log-probabilities
     (module docstring): its accepted draft tokens, then the token chosen where the draft stopped
-    matching or ended. ``logits``: the request's rows (R, T, V); ``generators``: one per row (none
-    when greedy). Tokens at one position are chosen for all rows still verifying in one call."""
+    matching or ended. ``logits``: the request's rows (R, T, V), each row's next token at position 0;
+    ``generators``: one per row (none when greedy). Tokens at one position are chosen for all rows
+    still verifying in one call."""
     taken: list[tuple[list[int], list[float]]] = [([], []) for _ in plan.rows]
     open_rows = list(range(len(plan.rows)))
-    offset = 0
+    position = 0
     while open_rows:
         rows = torch.tensor(open_rows, device=logits.device)
-        positions = torch.tensor([plan.num_known[r] - 1 + offset for r in open_rows], device=logits.device)
-        tokens, logprobs = choose_next_tokens(logits[rows, positions], params,
+        tokens, logprobs = choose_next_tokens(logits[rows, position], params,
                                               [generators[r] for r in open_rows] if generators else [])
         still_open = []
         for r, token, logprob in zip(open_rows, tokens.tolist(), logprobs.tolist()):
             taken[r][0].append(token)
             taken[r][1].append(logprob)
             draft = plan.drafts[r]
-            if draft is not None and offset < len(draft.tokens) and token == draft.tokens[offset]:
+            if draft is not None and position < len(draft.tokens) and token == draft.tokens[position]:
                 still_open.append(r)
         open_rows = still_open
-        offset += 1
+        position += 1
     return taken
-
-
-def kept_positions(plan: StepInputs, verified: Sequence[int | None]) -> int:
-    """How many of this step's positions a request's KV keeps: those every row that goes on
-    verified (``verified[row]``: its known tokens plus its accepted draft tokens; None for a row that
-    has finished). At least one: every row's next token was known."""
-    going_on = [count for count in verified if count is not None]
-    return min(going_on) if going_on else 1

@@ -166,12 +166,10 @@ class Request:
     # SharedPrefixCache or StaticRows (batched with others), or a transformers DynamicCache (alone).
     cache: Cache | StaticRows | None = None
     next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
-    # With drafting, per row the tokens it took before its next token whose KV is not kept yet: a
-    # verify forward keeps as many positions for every row of a request as its slowest row accepted,
-    # so a faster row feeds the rest again (``drafted_step``). Empty when no row has any.
-    backlog: list[list[int]] = field(default_factory=list)
-    draft_index: DraftIndex | None = None  # its drafts' sources, made on its first drafted step
-    decode_forwards: int = 0  # decode forwards its rows took part in (since it last started)
+    # Drafting (``drafted_step``), on the submitted request: its drafts' sources, made on its first
+    # drafted step, and the decode forwards its rows (its waves' included) took part in since it started.
+    draft_index: DraftIndex | None = None
+    decode_forwards: int = 0
     max_new: int = 0
     num_cached_tokens: int = 0
     exact: bool = True
@@ -203,5 +201,7 @@ class Request:
     @property
     def preemptible(self) -> bool:
         # Starting over replays every branch from its first token: a monitor would count them twice,
-        # and a branch already stopped would run again. Such requests are never the ones preempted.
-        return self.owner is None and self.branching.monitor is None and not self.branching.stopped
+        # a branch already stopped would run again, and the KV of a request's waves (drafting starts
+        # branches as waves) is not its own to free. Such requests are never the ones preempted.
+        return (self.owner is None and self.branching.monitor is None and not self.branching.stopped
+                and self.branching.live_members <= 1)

@@ -61,7 +61,7 @@ from .admission import Admission
 from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
 from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
-from .drafted_step import StepInputs, forward_drafted, kept_positions, may_draft, plan_step, verify
+from .drafted_step import StepInputs, forward_drafted, may_draft, plan_step, verify
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
@@ -375,8 +375,7 @@ class Scheduler:
             except Exception as error:
                 self._decode_failed(error, running, batched)
         if stepped is not None:
-            for request in batched:
-                request.decode_forwards += 1
+            self._count_forward(batched)
             self._advance_rows(batched, *stepped)
         if static:
             try:
@@ -422,8 +421,8 @@ class Scheduler:
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
 
     def _decode_drafted(self, running: list[Request], batched: list[Request], plans: list[StepInputs]) -> None:
-        """``batched`` one step further in one forward over their ``plans``' positions (drafts and
-        backlogs, ``drafted_step``); each request's KV then keeps what its rows verified."""
+        """``batched`` one step further in one forward over their ``plans``' positions (their next
+        tokens and drafts, ``drafted_step``); each request's KV then keeps what its rows verified."""
         lengths = suffix_lengths(batched)
         try:
             logits, row_ranges = forward_drafted(self.runner, batched, plans)  # (rows, T, V)
@@ -431,8 +430,8 @@ class Scheduler:
             self._decode_failed(error, running, batched)
             return
         self.counters.count("draft_forwards")
+        self._count_forward(batched)
         for request, plan, length, (start, stop) in zip(batched, plans, lengths, row_ranges):
-            request.decode_forwards += 1
             if plan.verifies:
                 self._run_guarded(request, lambda r=request, p=plan, n=length, s=start, e=stop:
                                   self._advance_verified(r, logits[s:e], p, n))
@@ -441,46 +440,42 @@ class Scheduler:
                 self._advance_or_fail(request, logits[start:stop, 0])
 
     def _advance_verified(self, request: Request, logits: torch.Tensor, plan: StepInputs, length: int) -> bool:
-        """Advance ``request`` by what its rows verified in a drafted step (``drafted_step.verify``):
-        record and stream their tokens, keep the KV every row that goes on verified (rows that
-        verified more keep the rest as backlog), retire finished branches. ``logits``: its rows
-        (R, T, V); ``length``: its suffix length before the step. Returns whether it still has rows."""
+        """Advance ``request`` (one row) by what its row verified in a drafted step
+        (``drafted_step.verify``): record and stream its tokens, keep the KV of its known token and
+        the draft tokens it accepted, retire it when it has finished. ``logits``: (1, T, V); ``length``:
+        its suffix length before the step. Returns whether it still has its row."""
         params, counters = request.params, self.counters
         generators = [request.generators[b] for b in request.active] if request.generators else []
-        taken = verify(logits, plan, params, generators)
-        verified: list[int | None] = []
-        for row, b in enumerate(request.active):
-            branch, (tokens, logprobs), draft = request.branches[b], taken[row], plan.drafts[row]
-            appended = 0
-            for token, logprob in zip(tokens, logprobs):
-                append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids, self.tokenizer)
-                appended += 1
-                if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
-                    break
-            accepted = min(appended, len(tokens) - 1)
-            counters.count("decode_tokens", appended)
-            if draft is not None:
-                branch.drafted_tokens += len(draft.tokens)
-                branch.accepted_draft_tokens += accepted
-                for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
-                                     ("rejected_draft_tokens", len(draft.tokens) - accepted)):
-                    counters.count(name, amount)
-                    counters.count(f"{name}_{draft.source}", amount)
-            verified.append(plan.num_known[row] + accepted if branch.finish_reason is None else None)
-        kept = kept_positions(plan, verified)
-        roll_back([request], [length + kept])
-        backlog = [plan.rows[row][kept:count] if count is not None else [] for row, count in enumerate(verified)]
-        request.backlog = backlog if any(backlog) else []
-        if request.backlog:  # tokens whose KV was computed and is computed again next step
-            counters.count("draft_backlog_tokens", sum(len(tokens) for tokens in backlog))
-        request.next_tokens = torch.tensor([tokens[-1] for tokens, _ in taken], device=self.runner.device)
+        (tokens, logprobs), = verify(logits, plan, params, generators)
+        branch, draft = request.branches[request.active[0]], plan.drafts[0]
+        appended = 0
+        for token, logprob in zip(tokens, logprobs):
+            append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids, self.tokenizer)
+            appended += 1
+            if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
+                break
+        accepted = min(appended, len(tokens) - 1)
+        counters.count("decode_tokens", appended)
+        if draft is not None:
+            branch.drafted_tokens += len(draft.tokens)
+            branch.accepted_draft_tokens += accepted
+            for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
+                                 ("rejected_draft_tokens", len(draft.tokens) - accepted)):
+                counters.count(name, amount)
+                counters.count(f"{name}_{draft.source}", amount)
+        roll_back([request], [length + 1 + accepted])  # its next token's KV and the accepted draft's
+        request.next_tokens = torch.tensor([tokens[-1]], device=self.runner.device)
         if request.stream:
-            for b in request.active:
-                emit(request, request.branches[b])
+            emit(request, branch)
         if not stop_branches(request, counters, self.runner.device):
             self._member_done(request)
             return False
         return True
+
+    def _count_forward(self, requests: list[Request]) -> None:
+        """One decode forward ran the rows of ``requests``: count it once per submitted request."""
+        for head in {id(r.head): r.head for r in requests}.values():
+            head.decode_forwards += 1
 
     def _decode_failed(self, error: Exception, running: list[Request], failed: list[Request]) -> None:
         """A decode forward over ``failed`` raised ``error`` (every cache was rolled back). Out of
@@ -573,6 +568,20 @@ class Scheduler:
         self.counters.count("branches_added", wave.n)
         self._advance_or_fail(wave, logits)
 
+    def _split_rows(self, head: Request) -> None:
+        """Start ``head``'s branches after its first as members of one row each, forked off its prompt
+        as waves are (``waves.fork_wave``): branch ``i`` draws from the generator seeded ``seed + i``
+        and takes its first token from the prompt's logits, as it would among its siblings."""
+        for _ in range(head.n - len(head.branches)):
+            forked = fork_wave(head, 1, next(self._ids), self.kv, self.runner.device)
+            if forked is None or head.channel.finished:
+                return
+            wave, logits = forked
+            self.requests.add(wave, RequestStatus.RUNNING)
+            self._advance_or_fail(wave, logits)
+        if head.branching.max_branches <= head.n:
+            head.branching.fork = None  # no branch will be added
+
     # -- starting and ending requests -------------------------------------------------------------
     @torch.inference_mode()
     def start(self, request: Request, prefilled: Prefilled) -> None:
@@ -581,29 +590,37 @@ class Scheduler:
         request.exact, request.reuse_decision = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, self.runner.context_window - len(request.prompt_ids))
         branching = request.branching
-        forks = branching.max_branches > request.n
+        # A request that drafts decodes each branch as a member of one row (the submitted request
+        # takes branch 0, waves the others): a member's rows share one suffix length, so only a
+        # branch alone keeps every draft token it verified.
+        split = (self._config.draft_tokens > 0 and request.n > 1 and may_draft(request) and request.shared_prefix
+                 and SharedPrefixCache.can_share(prefilled.cache))
+        rows = 1 if split else request.n
+        forks = branching.max_branches > request.n or split
         # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt
         # cache; static rows copy it into their slots and leave it as it is.
         static = request.layout is DecodeLayout.STATIC_ROWS
         plain = not static and not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
         template = (prefilled.cache if static else copy.deepcopy(prefilled.cache) if plain else None) if forks else None
-        request.cache = self.kv.decode_cache(prefilled.cache, request.n, request.max_new, request.layout,
+        request.cache = self.kv.decode_cache(prefilled.cache, rows, request.max_new, request.layout,
                                              request=request if prefilled.exact else None)
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
             prompt_kv = request.cache.prompt_segments() if request.shared else template
             branching.fork = PromptFork(prompt_kv, prefilled.last_logits.clone())  # a logits processor may edit its input
-        request.branches = [Branch(i) for i in range(request.n)]
+        request.branches = [Branch(i) for i in range(rows)]
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.replay.delivered.get(branch.index, (0, 0))
-        request.active = list(range(request.n))
+        request.active = list(range(rows))
         if not request.params.greedy:
-            request.generators = make_generators(request.seed, request.n, self.runner.device)
+            request.generators = make_generators(request.seed, rows, self.runner.device)
         branching.live_members = 1
         self.requests.move(request, RequestStatus.RUNNING)
-        logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
+        logits = prefilled.last_logits if rows == 1 else prefilled.last_logits.expand(rows, -1)
         self._advance_or_fail(request, logits)
+        if split:
+            self._split_rows(request)
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 
@@ -616,7 +633,7 @@ class Scheduler:
             request.replay.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
                                         for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
-        request.backlog, request.draft_index, request.decode_forwards = [], None, 0
+        request.draft_index, request.decode_forwards = None, 0
         self.counters.count("preemptions")
         self.requests.move(request, RequestStatus.WAITING, first=True)
 
@@ -641,10 +658,6 @@ class Scheduler:
         """``request`` (the submitted request or one of its waves) has no rows left: free its rows' KV
         and, once no wave of the submitted request is left, finish it."""
         head = request.head
-        if self._config.draft_tokens and may_draft(request) and request.branches:
-            # Without drafting its longest branch takes one forward a token after its first.
-            longest = max(len(b.token_ids) for b in request.branches)
-            self.counters.count("draft_steps_saved", max(0, longest - 1 - request.decode_forwards))
         head.branching.live_members -= 1
         if request is not head or head.branching.live_members > 0:
             self.kv.drop_cache(request)  # the prompt lives on in the owner's fork for the other waves
@@ -656,6 +669,10 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.admission.rows_cap = None  # rows have freed up: admit up to the configured batch again
+        if request.draft_index is not None and request.branches:
+            # Without drafts its longest branch takes one forward a token after its first.
+            longest = max(len(b.token_ids) for b in request.branches)
+            self.counters.count("draft_steps_saved", max(0, longest - 1 - request.decode_forwards))
         if request.n == 1 and request.exact and len(request.branches) == 1 and request.cache is not None:
             # approximate (ASKS) KV never enters the exact cache
             try:

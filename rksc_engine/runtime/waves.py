@@ -97,7 +97,5 @@ def stop_branches(request: Request, counters: Counters, device: torch.device) ->
         select_rows(request.cache, index)
         if request.next_tokens is not None and request.next_tokens.shape[0] == len(request.active):
             request.next_tokens = request.next_tokens[index]
-        if request.backlog:
-            request.backlog = [request.backlog[r] for r in keep_rows]
         request.active = [request.active[r] for r in keep_rows]
     return True

@@ -11,7 +11,7 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
-from rksc_engine.runtime.drafted_step import StepInputs, kept_positions, verify
+from rksc_engine.runtime.drafted_step import StepInputs, verify
 from rksc_engine.runtime.drafts import Draft, DraftIndex, NgramIndex
 from rksc_engine.runtime.sampling import choose_next_tokens
 
@@ -81,17 +81,16 @@ def test_the_siblings_source_never_reads_the_branch_itself():
 # -- verification ---------------------------------------------------------------------------------
 def test_verification_draws_each_position_as_ordinary_decoding_would_and_no_further():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 20) * 3  # (rows, positions, vocabulary)
+    logits = torch.randn(3, 4, 20) * 3  # (rows, positions, vocabulary)
     params = SamplingParams(temperature=0.9, top_p=0.9)
     # What ordinary decoding draws at each position, one step at a time, from generators seeded alike.
     reference = [torch.Generator().manual_seed(10 + r) for r in range(3)]
-    num_known = [1, 2, 1]
-    sequential = [[int(choose_next_tokens(logits[r, num_known[r] - 1 + j][None], params, [reference[r]])[0])
-                   for j in range(3)] for r in range(3)]
+    sequential = [[int(choose_next_tokens(logits[r, j][None], params, [reference[r]])[0]) for j in range(3)]
+                  for r in range(3)]
     # Row 0's draft matches two tokens then differs; row 1's is wrong at once; row 2 has none.
     drafts = [Draft((sequential[0][0], sequential[0][1], (sequential[0][2] + 1) % 20), "prompt"),
               Draft(((sequential[1][0] + 1) % 20,), "siblings"), None]
-    plan = StepInputs([[0, *drafts[0].tokens], [0, 0, *drafts[1].tokens], [0]], num_known, drafts, True)
+    plan = StepInputs([[0, *drafts[0].tokens], [0, *drafts[1].tokens], [0]], drafts, True)
     generators = [torch.Generator().manual_seed(10 + r) for r in range(3)]
     taken = verify(logits, plan, params, generators)
     assert [tokens for tokens, _ in taken] == [sequential[0][:3], sequential[1][:1], sequential[2][:1]]
@@ -99,7 +98,7 @@ def test_verification_draws_each_position_as_ordinary_decoding_would_and_no_furt
     for r, count in enumerate([3, 1, 1]):
         fresh = torch.Generator().manual_seed(10 + r)
         for j in range(count):
-            choose_next_tokens(logits[r, num_known[r] - 1 + j][None], params, [fresh])
+            choose_next_tokens(logits[r, j][None], params, [fresh])
         assert torch.equal(generators[r].get_state(), fresh.get_state()), f"row {r} drew more or less than it took"
 
 
@@ -107,17 +106,18 @@ def test_greedy_verification_keeps_the_draft_up_to_the_first_token_argmax_disagr
     logits = torch.zeros(1, 4, 10)
     for position, token in enumerate([3, 4, 5, 6]):
         logits[0, position, token] = 5.0
-    plan = StepInputs([[1, 3, 4, 9]], [1], [Draft((3, 4, 9), "prompt")], True)
+    plan = StepInputs([[1, 3, 4, 9]], [Draft((3, 4, 9), "prompt")], True)
     tokens, logprobs = verify(logits, plan, SamplingParams(), [])[0]
     assert tokens == [3, 4, 5], "two draft tokens kept, then argmax's own token where the draft was wrong"
     assert len(logprobs) == 3
 
 
-def test_a_request_keeps_the_positions_every_row_going_on_verified():
-    plan = StepInputs([[1, 2, 3], [4, 5]], [1, 2], [None, None], True)
-    assert kept_positions(plan, [3, 2]) == 2
-    assert kept_positions(plan, [None, 2]) == 2, "a finished row does not hold the others back"
-    assert kept_positions(plan, [None, None]) == 1
+def test_a_whole_accepted_draft_is_followed_by_the_token_after_it():
+    logits = torch.zeros(1, 3, 10)
+    for position, token in enumerate([3, 4, 7]):
+        logits[0, position, token] = 5.0
+    plan = StepInputs([[1, 3, 4]], [Draft((3, 4), "siblings")], True)
+    assert verify(logits, plan, SamplingParams(), [])[0][0] == [3, 4, 7]
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -172,16 +172,23 @@ def test_drafted_greedy_decoding_equals_transformers_generate(model_seed):
     assert engine.stats().accepted_draft_tokens > 0
 
 
-def test_sibling_rows_that_verify_different_counts_keep_a_backlog_and_their_tokens():
+def test_a_drafting_request_decodes_each_branch_as_a_row_of_its_own_with_the_same_tokens():
     model, tokenizer = make_family_model("llama3"), char_tokenizer()
     want = token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, 4, SAMPLED))
     engine = RKSCEngine(model, tokenizer, drafting(sources=("siblings",)))
-    assert token_ids(engine.generate_branches(PROMPT, 4, SAMPLED)) == want
+    handle = engine.submit(PROMPT, 4, SAMPLED)
+    with engine.exclusive():
+        engine.scheduler.step()  # admitted and started: its four branches are four members of one row
+        members = engine.scheduler.requests.decoding()
+        assert [len(m.active) for m in members] == [1, 1, 1, 1]
+        assert {m.head for m in members} == {members[0]}
+    assert token_ids(handle.result()) == want
     stats = engine.stats()
-    assert stats.extra.get("draft_backlog_tokens", 0) > 0, "no row ever got ahead of its siblings"
-    assert stats.rejected_draft_tokens > 0, "no draft was rejected: the test did not exercise the roll-back"
     assert stats.extra.get("accepted_draft_tokens_siblings", 0) > 0, "no sibling's text was ever a right guess"
+    assert stats.rejected_draft_tokens > 0, "no draft was rejected: the test did not exercise the roll-back"
     assert "drafted_tokens_prompt" not in stats.extra, "a source that was not configured drafted"
+    assert stats.draft_steps_saved > 0
+    assert stats.branches_added == 0 if hasattr(stats, "branches_added") else "branches_added" not in stats.extra
 
 
 def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone():
