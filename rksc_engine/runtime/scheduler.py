@@ -568,19 +568,21 @@ class Scheduler:
         self.counters.count("branches_added", wave.n)
         self._advance_or_fail(wave, logits)
 
-    def _split_rows(self, head: Request) -> None:
-        """Start ``head``'s branches after its first as members of one row each, forked off its prompt
-        as waves are (``waves.fork_wave``): branch ``i`` draws from the generator seeded ``seed + i``
-        and takes its first token from the prompt's logits, as it would among its siblings."""
+    def _split_rows(self, head: Request) -> list[Request]:
+        """``head``'s branches after its first as members of one row each, forked off its prompt as
+        waves are (``waves.fork_wave``) and running, their first tokens not taken yet: branch ``i``
+        draws from the generator seeded ``seed + i`` from the prompt's logits, as it would among its
+        siblings. Returns each with the logits it takes its first token from."""
+        waves = []
         for _ in range(head.n - len(head.branches)):
             forked = fork_wave(head, 1, next(self._ids), self.kv, self.runner.device)
-            if forked is None or head.channel.finished:
-                return
-            wave, logits = forked
-            self.requests.add(wave, RequestStatus.RUNNING)
-            self._advance_or_fail(wave, logits)
+            if forked is None:
+                break
+            self.requests.add(forked[0], RequestStatus.RUNNING)
+            waves.append(forked)
         if head.branching.max_branches <= head.n:
             head.branching.fork = None  # no branch will be added
+        return waves
 
     # -- starting and ending requests -------------------------------------------------------------
     @torch.inference_mode()
@@ -617,10 +619,13 @@ class Scheduler:
             request.generators = make_generators(request.seed, rows, self.runner.device)
         branching.live_members = 1
         self.requests.move(request, RequestStatus.RUNNING)
+        # Every member runs before any takes a token: a branch that ends at its first token must not
+        # finish the request while its siblings have not started.
+        waves = self._split_rows(request) if split else []
         logits = prefilled.last_logits if rows == 1 else prefilled.last_logits.expand(rows, -1)
         self._advance_or_fail(request, logits)
-        if split:
-            self._split_rows(request)
+        for wave, wave_logits in waves:
+            self._advance_or_fail(wave, wave_logits)
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 

@@ -15,6 +15,7 @@ from rksc_engine.kvcache.shared_prefix import (
     attention_implementation,
     shared_prefix_attention,
 )
+from rksc_engine.runtime.model_runner import DecodeLayout
 
 
 def _eager_over_concatenation(query, prefix_k, prefix_v, suffix_k, suffix_v, group):
@@ -235,7 +236,7 @@ def test_a_prefill_cache_that_cannot_be_shared_decodes_through_the_plain_path(ti
     layers = [(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)) for _ in range(2)]  # batch 2: not a prefill
     cache = DynamicCache(ddp_cache_data=layers, config=tiny_engine.model.config)
     assert not SharedPrefixCache.can_share(cache)
-    decode_cache = tiny_engine.scheduler.kv.decode_cache(cache, 1, 8, shared_prefix=True)
+    decode_cache = tiny_engine.scheduler.kv.decode_cache(cache, 1, 8, DecodeLayout.SHARED_PREFIX)
     assert decode_cache is cache
 
 

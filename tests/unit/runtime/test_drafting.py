@@ -191,6 +191,16 @@ def test_a_drafting_request_decodes_each_branch_as_a_row_of_its_own_with_the_sam
     assert stats.branches_added == 0 if hasattr(stats, "branches_added") else "branches_added" not in stats.extra
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 2])
+def test_a_drafting_request_whose_first_branch_ends_at_once_still_returns_every_branch(max_new_tokens):
+    model, tokenizer = make_tiny_model(0), make_char_tokenizer()
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.8, seed=4)
+    want = token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, 3, params))
+    got = RKSCEngine(model, tokenizer, drafting()).generate_branches(PROMPT, 3, params)
+    assert [c.branch_index for c in got] == [0, 1, 2]
+    assert token_ids(got) == want
+
+
 def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone():
     model, tokenizer = make_tiny_model(1), make_char_tokenizer()
 
