@@ -373,6 +373,11 @@ DEFAULT_MAX_COPIED_PROMPT_TAIL = 256  # SchedulerConfig.max_copied_prompt_tail
 # The least SchedulerConfig.max_pooled_suffix_tokens other than 0: the pool's padding unit
 # (``kvcache.suffix_pool.SUFFIX_ALIGNMENT``).
 MIN_POOLED_SUFFIX_TOKENS = 64
+# Where a branch's drafts may come from (``SchedulerConfig.draft_sources``).
+DRAFT_SOURCES = ("prompt", "siblings")
+# Most tokens a draft may propose (``SchedulerConfig.draft_tokens``): a verify forward runs this many
+# positions a row, plus one.
+MAX_DRAFT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -413,6 +418,18 @@ class SchedulerConfig:
             own, so one long request does not lengthen every row of the pool (default 512; 0 keeps
             every request's suffix in buffers of its own; else at least 64). Tokens are the same;
             the bits may differ as with ``packed_prefill`` (with one thread they do not).
+        draft_tokens: Speculative decoding without a draft model (``runtime.drafts``): each branch
+            may propose up to this many next tokens by matching its last tokens against text the
+            request already has (``draft_sources``), and a step verifies them in the same forward
+            as the other rows, keeping those the branch would have chosen itself. Tokens are the same
+            as without drafting (greedy and seeded sampling alike); the bits of the logits may
+            differ, as with ``packed_prefill``. 0 (default) never drafts; at most
+            ``MAX_DRAFT_TOKENS``. Only the ``shared_prefix`` decode layout drafts: with
+            ``decode_attention`` ``"static_rows"`` or ``"dynamic_cache"`` a value above 0 is refused.
+        draft_sources: Where drafts come from, tried in this order: ``"prompt"`` (the branch's own
+            prompt and the tokens it has generated, as prompt lookup decoding does) and
+            ``"siblings"`` (the tokens the other branches of the same request have generated).
+            Default both.
     """
 
     max_batch_rows: int = 64
@@ -421,8 +438,22 @@ class SchedulerConfig:
     mixed_prefill: bool = False
     max_copied_prompt_tail: int = DEFAULT_MAX_COPIED_PROMPT_TAIL
     max_pooled_suffix_tokens: int = 512
+    draft_tokens: int = 0
+    draft_sources: tuple[str, ...] = DRAFT_SOURCES
 
     def __post_init__(self) -> None:
+        check_type("scheduler.draft_tokens", self.draft_tokens, int)
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"scheduler.draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {self.draft_tokens}")
+        check_type("scheduler.draft_sources", self.draft_sources, (tuple, list))
+        unknown = [s for s in self.draft_sources if s not in DRAFT_SOURCES]
+        if unknown:
+            raise ValueError(f"scheduler.draft_sources must name sources of {list(DRAFT_SOURCES)}, got {unknown!r}")
+        if len(set(self.draft_sources)) != len(self.draft_sources):
+            raise ValueError(f"scheduler.draft_sources names a source twice: {list(self.draft_sources)!r}")
+        if self.draft_tokens and not self.draft_sources:
+            raise ValueError("scheduler.draft_sources must name at least one source when scheduler.draft_tokens > 0")
+        object.__setattr__(self, "draft_sources", tuple(self.draft_sources))
         check_type("scheduler.max_pooled_suffix_tokens", self.max_pooled_suffix_tokens, int)
         if self.max_pooled_suffix_tokens and self.max_pooled_suffix_tokens < MIN_POOLED_SUFFIX_TOKENS:
             raise ValueError(f"scheduler.max_pooled_suffix_tokens must be 0 or >= {MIN_POOLED_SUFFIX_TOKENS}, "
@@ -519,3 +550,7 @@ class EngineConfig:
             elif self.decode_attention != "static_rows":
                 raise ValueError(f"decode_capture={self.decode_capture!r} needs decode_attention='static_rows' "
                                  f"(or 'auto'), got {self.decode_attention!r}")
+        if self.scheduler.draft_tokens and self.decode_attention in ("static_rows", "dynamic_cache"):
+            raise ValueError(f"scheduler.draft_tokens={self.scheduler.draft_tokens} needs the shared-prefix decode "
+                             f"layout (decode_attention 'auto' or 'shared_prefix'), got "
+                             f"decode_attention={self.decode_attention!r}")

@@ -107,6 +107,10 @@ class Completion:
         num_reported_tokens: Tokens generated as a server reported them, for a ``RemoteEngine``'s
             completion, whose ``token_ids`` are empty: ``usage.completion_tokens`` of a one-choice
             request, else the tokens its log-probs list, else its stream deltas; None for a local one.
+        drafted_tokens: Draft tokens proposed for this branch and verified
+            (``SchedulerConfig.draft_tokens``); 0 without drafting.
+        accepted_draft_tokens: Of those, the ones it kept, each one a decode forward the branch did
+            not need. Its tokens are the same with drafting as without.
     """
 
     text: str
@@ -119,6 +123,13 @@ class Completion:
     seed: int | None = None
     asks: ASKSDecision | ChunkReuseDecision | None = None
     num_reported_tokens: int | None = None
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def rejected_draft_tokens(self) -> int:
+        """Draft tokens verified for this branch and not kept."""
+        return self.drafted_tokens - self.accepted_draft_tokens
 
     @property
     def confidence(self) -> float:
@@ -239,6 +250,12 @@ class EngineStats:
     running_kv_bytes: int = 0  # KV the running requests hold outside the prefix cache
     peak_running_kv_bytes: int = 0  # the most they held at once (since reset_stats)
     peak_batch_rows: int = 0  # the most branches decoded in one forward (since reset_stats)
+    # Drafting (``SchedulerConfig.draft_tokens``); per source also in ``extra``, as ``<field>_<source>``
+    drafted_tokens: int = 0  # draft tokens proposed and verified
+    accepted_draft_tokens: int = 0  # of those, the ones kept (the tokens are those decoding without drafts takes)
+    rejected_draft_tokens: int = 0  # the ones that were not
+    draft_forwards: int = 0  # decode forwards that verified drafts
+    draft_steps_saved: int = 0  # decode forwards finished requests did not need, thanks to their drafts
     # Why the radix cache is off for this model, or why its requests decode one forward each ("" when not)
     prefix_cache_refusal: str = ""
     batched_decode_refusal: str = ""
@@ -278,6 +295,11 @@ class EngineStats:
             lines.append(f"  retrieved chunks: {self.chunks_reused:,} reused in {self.chunk_reuse_prompts:,} prompts; "
                          f"{self.chunk_tokens_cached:,} tokens cached, {self.chunk_recomputed_tokens:,} recomputed, "
                          f"{self.chunk_probe_tokens:,} probed")
+        if self.drafted_tokens or self.draft_forwards:
+            rate = self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+            lines.append(f"  drafts: {self.accepted_draft_tokens:,} of {self.drafted_tokens:,} draft tokens accepted "
+                         f"({rate:.1%}), {self.rejected_draft_tokens:,} rejected; {self.draft_forwards:,} verifying "
+                         f"forwards; {self.draft_steps_saved:,} forwards saved")
         if self.oom_retries:
             lines.append(f"  out-of-memory retries: {self.oom_retries:,}")
         if self.prefix_cache_refusal:

@@ -75,6 +75,8 @@ def completion(request: Request, branch: Branch) -> Completion:
         branch_index=branch.index,
         seed=request.seed,
         asks=request.reuse_decision,
+        drafted_tokens=branch.drafted_tokens,
+        accepted_draft_tokens=branch.accepted_draft_tokens,
     )
 
 

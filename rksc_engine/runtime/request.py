@@ -22,6 +22,7 @@ from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRows
 from ..results import ASKSDecision, ChunkReuseDecision
 from .detokenize import TextState
+from .drafts import DraftIndex
 from .handle import BranchMonitor, LogitsProcessor, RequestChannel
 from .model_runner import DecodeLayout
 from .prefix_access import Prefilled, PromptSegments
@@ -75,6 +76,8 @@ class Branch:
     pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
     skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
     text_state: TextState = field(default_factory=TextState)  # how many tokens `text` covers
+    drafted_tokens: int = 0  # draft tokens proposed for it and verified (``drafted_step``)
+    accepted_draft_tokens: int = 0  # of those, the ones it kept: each one a forward it did not need
 
 
 @dataclass
@@ -165,6 +168,10 @@ class Request:
     # SharedPrefixCache or StaticRows (batched with others), or a transformers DynamicCache (alone).
     cache: Cache | StaticRows | None = None
     next_tokens: torch.Tensor | None = None  # (rows,) the tokens the next forward feeds
+    # Drafting (``drafted_step``), on the submitted request: its drafts' sources, made on its first
+    # drafted step, and the decode forwards its rows (its waves' included) took part in since it started.
+    draft_index: DraftIndex | None = None
+    decode_forwards: int = 0
     max_new: int = 0
     num_cached_tokens: int = 0
     exact: bool = True
@@ -196,5 +203,7 @@ class Request:
     @property
     def preemptible(self) -> bool:
         # Starting over replays every branch from its first token: a monitor would count them twice,
-        # and a branch already stopped would run again. Such requests are never the ones preempted.
-        return self.owner is None and self.branching.monitor is None and not self.branching.stopped
+        # a branch already stopped would run again, and the KV of a request's waves (drafting starts
+        # branches as waves) is not its own to free. Such requests are never the ones preempted.
+        return (self.owner is None and self.branching.monitor is None and not self.branching.stopped
+                and self.branching.live_members <= 1)

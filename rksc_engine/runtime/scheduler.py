@@ -48,6 +48,7 @@ import logging
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,10 +58,11 @@ from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRowPool
 from ..results import EngineStats
 from .admission import Admission
-from .batch_forward import forward_rows, forward_static_rows
+from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
 from .branch_output import append_token, completion, emit
 from .cpu_threads import release_openmp_workers
 from .detokenize import Detokenizer
+from .drafted_step import StepInputs, forward_drafted, may_draft, plan_step, verify
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
@@ -359,18 +361,23 @@ class Scheduler:
         batched = [r for r in running if r.shared]
         static = [r for r in running if r.static]
         alone = [r for r in running if not r.shared and not r.static]
-        mixed = self.admission.forward_with_pack(batched, pack) if batched and pack else None
+        config = self._config
+        plans = plan_step(batched, config.draft_tokens, config.draft_sources) if config.draft_tokens and batched else None
+        mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
         prefilled: list[Prefilled] | None = None
         stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
         if mixed is not None:
             logits, row_ranges, prefilled = mixed
             stepped = (logits, row_ranges)
+        elif plans is not None:
+            self._decode_drafted(running, batched, plans)
         elif batched:
             try:
                 stepped = forward_rows(runner, batched)
             except Exception as error:
                 self._decode_failed(error, running, batched)
         if stepped is not None:
+            self._count_forward(batched)
             self._advance_rows(batched, *stepped)
         if static:
             try:
@@ -415,6 +422,63 @@ class Scheduler:
             next_tokens = None if pool is not None else greedy[0][start:stop]
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
 
+    def _decode_drafted(self, running: list[Request], batched: list[Request], plans: list[StepInputs]) -> None:
+        """``batched`` one step further in one forward over their ``plans``' positions (their next
+        tokens and drafts, ``drafted_step``); each request's KV then keeps what its rows verified."""
+        lengths = suffix_lengths(batched)
+        try:
+            logits, row_ranges = forward_drafted(self.runner, batched, plans)  # (rows, T, V)
+        except Exception as error:
+            self._decode_failed(error, running, batched)
+            return
+        self.counters.count("draft_forwards")
+        self._count_forward(batched)
+        for request, plan, length, (start, stop) in zip(batched, plans, lengths, row_ranges):
+            if plan.verifies:
+                self._run_guarded(request, lambda r=request, p=plan, n=length, s=start, e=stop:
+                                  self._advance_verified(r, logits[s:e], p, n))
+            else:  # its rows' tokens from their first position, as in an ordinary step
+                roll_back([request], [length + 1])
+                self._advance_or_fail(request, logits[start:stop, 0])
+
+    def _advance_verified(self, request: Request, logits: torch.Tensor, plan: StepInputs, length: int) -> bool:
+        """Advance ``request`` (one row) by what its row verified in a drafted step
+        (``drafted_step.verify``): record and stream its tokens, keep the KV of its known token and
+        the draft tokens it accepted, retire it when it has finished. ``logits``: (1, T, V); ``length``:
+        its suffix length before the step. Returns whether it still has its row."""
+        params, counters = request.params, self.counters
+        generators = [request.generators[b] for b in request.active] if request.generators else []
+        (tokens, logprobs), = verify(logits, plan, params, generators)
+        branch, draft = request.branches[request.active[0]], plan.drafts[0]
+        appended = 0
+        for token, logprob in zip(tokens, logprobs):
+            append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids, self.detokenizer)
+            appended += 1
+            if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
+                break
+        accepted = min(appended, len(tokens) - 1)
+        counters.count("decode_tokens", appended)
+        if draft is not None:
+            branch.drafted_tokens += len(draft.tokens)
+            branch.accepted_draft_tokens += accepted
+            for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
+                                 ("rejected_draft_tokens", len(draft.tokens) - accepted)):
+                counters.count(name, amount)
+                counters.count(f"{name}_{draft.source}", amount)
+        roll_back([request], [length + 1 + accepted])  # its next token's KV and the accepted draft's
+        request.next_tokens = torch.tensor([tokens[-1]], device=self.runner.device)
+        if request.stream:
+            emit(request, branch)
+        if not stop_branches(request, counters, self.runner.device):
+            self._member_done(request)
+            return False
+        return True
+
+    def _count_forward(self, requests: list[Request]) -> None:
+        """One decode forward ran the rows of ``requests``: count it once per submitted request."""
+        for head in {id(r.head): r.head for r in requests}.values():
+            head.decode_forwards += 1
+
     def _decode_failed(self, error: Exception, running: list[Request], failed: list[Request]) -> None:
         """A decode forward over ``failed`` raised ``error`` (every cache was rolled back). Out of
         memory even after evicting and retrying, with another request to go on: preempt the newest
@@ -436,10 +500,16 @@ class Scheduler:
                          next_tokens: torch.Tensor | None = None) -> bool:
         """``_advance``, but an error (a failing logits processor or monitor, say) fails this request
         alone; only a ``KeyboardInterrupt`` on the main thread stops the step (module docstring)."""
+        return self._run_guarded(request, lambda: self._advance(request, logits, chosen, next_tokens))
+
+    def _run_guarded(self, request: Request, advance: Callable[[], bool]) -> bool:
+        """``advance()`` (one of ``request``'s advances), but an error fails this request alone; only a
+        ``KeyboardInterrupt`` on the main thread stops the step (module docstring). False, without
+        calling it, for a request that failed earlier in this step."""
         if request.head.channel.finished or not request.active:  # failed earlier in this step
             return False
         try:
-            return self._advance(request, logits, chosen, next_tokens)
+            return advance()
         except KeyboardInterrupt as error:
             if threading.current_thread() is threading.main_thread():
                 raise  # the user's Ctrl-C, wherever the main thread was: it stops the step (module docstring)
@@ -500,6 +570,22 @@ class Scheduler:
         self.counters.count("branches_added", wave.n)
         self._advance_or_fail(wave, logits)
 
+    def _split_rows(self, head: Request) -> list[Request]:
+        """``head``'s branches after its first as members of one row each, forked off its prompt as
+        waves are (``waves.fork_wave``) and running, their first tokens not taken yet: branch ``i``
+        draws from the generator seeded ``seed + i`` from the prompt's logits, as it would among its
+        siblings. Returns each with the logits it takes its first token from."""
+        waves = []
+        for _ in range(head.n - len(head.branches)):
+            forked = fork_wave(head, 1, next(self._ids), self.kv, self.runner.device)
+            if forked is None:
+                break
+            self.requests.add(forked[0], RequestStatus.RUNNING)
+            waves.append(forked)
+        if head.branching.max_branches <= head.n:
+            head.branching.fork = None  # no branch will be added
+        return waves
+
     # -- starting and ending requests -------------------------------------------------------------
     @torch.inference_mode()
     def start(self, request: Request, prefilled: Prefilled) -> None:
@@ -508,29 +594,40 @@ class Scheduler:
         request.exact, request.reuse_decision = prefilled.exact, prefilled.asks
         request.max_new = min(request.params.max_new_tokens, self.runner.context_window - len(request.prompt_ids))
         branching = request.branching
-        forks = branching.max_branches > request.n
+        # A request that drafts decodes each branch as a member of one row (the submitted request
+        # takes branch 0, waves the others): a member's rows share one suffix length, so only a
+        # branch alone keeps every draft token it verified.
+        split = (self._config.draft_tokens > 0 and request.n > 1 and may_draft(request) and request.shared_prefix
+                 and SharedPrefixCache.can_share(prefilled.cache))
+        rows = 1 if split else request.n
+        forks = branching.max_branches > request.n or split
         # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt
         # cache; static rows copy it into their slots and leave it as it is.
         static = request.layout is DecodeLayout.STATIC_ROWS
         plain = not static and not (request.shared_prefix and SharedPrefixCache.can_share(prefilled.cache))
         template = (prefilled.cache if static else copy.deepcopy(prefilled.cache) if plain else None) if forks else None
-        request.cache = self.kv.decode_cache(prefilled.cache, request.n, request.max_new, request.layout,
+        request.cache = self.kv.decode_cache(prefilled.cache, rows, request.max_new, request.layout,
                                              request=request if prefilled.exact else None)
         if forks:
             # Later waves fork off the prompt's KV exactly as the first did: the same segments (read in
             # place, so held once) or a copy of the batch-1 prompt cache, and the same first logits.
             prompt_kv = request.cache.prompt_segments() if request.shared else template
             branching.fork = PromptFork(prompt_kv, prefilled.last_logits.clone())  # a logits processor may edit its input
-        request.branches = [Branch(i) for i in range(request.n)]
+        request.branches = [Branch(i) for i in range(rows)]
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.replay.delivered.get(branch.index, (0, 0))
-        request.active = list(range(request.n))
+        request.active = list(range(rows))
         if not request.params.greedy:
-            request.generators = make_generators(request.seed, request.n, self.runner.device)
+            request.generators = make_generators(request.seed, rows, self.runner.device)
         branching.live_members = 1
         self.requests.move(request, RequestStatus.RUNNING)
-        logits = prefilled.last_logits if request.n == 1 else prefilled.last_logits.expand(request.n, -1)
+        # Every member runs before any takes a token: a branch that ends at its first token must not
+        # finish the request while its siblings have not started.
+        waves = self._split_rows(request) if split else []
+        logits = prefilled.last_logits if rows == 1 else prefilled.last_logits.expand(rows, -1)
         self._advance_or_fail(request, logits)
+        for wave, wave_logits in waves:
+            self._advance_or_fail(wave, wave_logits)
         self.peak_batch_rows = max(self.peak_batch_rows, self.num_running_rows)
         self.peak_running_kv_bytes = max(self.peak_running_kv_bytes, self.running_kv_bytes())
 
@@ -543,6 +640,7 @@ class Scheduler:
             request.replay.delivered = {b.index: (len(b.token_ids) - len(b.pending_ids), b.emitted_chars)
                                         for b in request.branches}
         request.branches, request.active, request.generators, request.next_tokens = [], [], [], None
+        request.draft_index, request.decode_forwards = None, 0
         self.counters.count("preemptions")
         self.requests.move(request, RequestStatus.WAITING, first=True)
 
@@ -578,6 +676,10 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.admission.rows_cap = None  # rows have freed up: admit up to the configured batch again
+        if request.draft_index is not None and request.branches:
+            # Without drafts its longest branch takes one forward a token after its first.
+            longest = max(len(b.token_ids) for b in request.branches)
+            self.counters.count("draft_steps_saved", max(0, longest - 1 - request.decode_forwards))
         if request.n == 1 and request.exact and len(request.branches) == 1 and request.cache is not None:
             # approximate (ASKS) KV never enters the exact cache
             try:

@@ -1,0 +1,146 @@
+"""Benchmark: drafting from the prompt and sibling branches (``SchedulerConfig.draft_tokens``).
+
+Per workload and arm: decode tokens/s with and without drafting side by side (arms alternating
+within each repeat, the prompt cached so a run is its decode), whether every arm's tokens equal
+the arm without drafting, and per source the draft tokens proposed and accepted, the verifying
+forwards and the forwards saved (the request's, whose longest branch sets its count). Arms: drafting
+off, and each ``k`` of ``--ks`` with each source set of ``--sources``.
+
+Workloads: ``few-shot``: the ``rksc ask`` job on the default model (its 8-shot synthetic GSM8K-style
+prompt and question, 8 branches sampled at temperature 0.7, top-p 0.95, ``<|im_end|>`` as the stop
+string, no monitor, no CGEE); ``tiny``: the same chat prompt's worked examples as plain text on
+tiny-config families (``--families``), where a forward costs almost nothing and a step is host
+cost, the GPU's stand-in. Times only mean something with nothing else running:
+
+    flock /tmp/rksc-bench.lock ./dev python benchmarks/drafting.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from rksc_bench import harness
+from rksc_bench.families import char_tokenizer, make_family_model
+from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
+from rksc_engine.config import DRAFT_SOURCES
+from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.reasoning.few_shot import few_shot_messages
+
+QUESTION = "A farmer has 17 sheep and buys 3 times as many goats as sheep. How many animals does he have?"
+SOURCE_SETS = {"prompt": ("prompt",), "siblings": ("siblings",), "both": DRAFT_SOURCES}
+# Characters (one token each) of the tiny families' context window (1,024) a prompt may take.
+TINY_CONTEXT_CHARS = 1000
+COUNTERS = ("decode_tokens", "drafted_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_forwards",
+            "draft_steps_saved")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = harness.bench_parser(__file__, __doc__)
+    parser.add_argument("--families", nargs="*", default=["llama3", "qwen2.5", "gemma2"],
+                        help="tiny-config families (default llama3 qwen2.5 gemma2; none: skip the tiny workload)")
+    parser.add_argument("--no-default-model", action="store_true", help="skip the few-shot job on the default model")
+    parser.add_argument("--ks", type=harness.positive_int_list, default=[2, 4, 8],
+                        help="comma-separated draft lengths (default 2,4,8)")
+    parser.add_argument("--sources", default="prompt,siblings,both",
+                        help=f"comma-separated source sets, of {list(SOURCE_SETS)} (default all)")
+    parser.add_count("--branches", 8, "branches of the request")
+    parser.add_count("--shots", 8, "worked examples in the prompt")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7; 0 greedy)")
+    parser.add_max_new_tokens(160)
+    parser.add_seed()
+    parser.add_repeats(3)
+    parser.add_threads()
+    args = parser.parse_args(argv)
+    args.sources = args.sources.split(",")
+    unknown = [s for s in args.sources if s not in SOURCE_SETS]
+    if unknown:
+        parser.error(f"--sources must name source sets of {list(SOURCE_SETS)}, got {unknown}")
+    return args
+
+
+def arm_configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    """The arms: ``off``, then ``k<k>-<sources>`` for every draft length and source set."""
+    arms = {"off": EngineConfig()}
+    for k in args.ks:
+        for name in args.sources:
+            arms[f"k{k}-{name}"] = EngineConfig(scheduler=SchedulerConfig(draft_tokens=k,
+                                                                          draft_sources=SOURCE_SETS[name]))
+    return arms
+
+
+def counters(engine: RKSCEngine) -> dict[str, float]:
+    stats = engine.stats()
+    found: dict[str, float] = {name: getattr(stats, name) for name in COUNTERS}
+    found.update({name: value for name, value in stats.extra.items() if "draft" in name})
+    return found
+
+
+def measure(label: str, engine: RKSCEngine, prompt: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Every arm on ``engine`` (its config swapped per run), arms alternating within each repeat."""
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=0.95,
+                            seed=args.seed, stop=("<|im_end|>",))
+    configs = arm_configs(args)
+    engine.generate_branches(prompt, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
+    deltas: dict[str, list[dict[str, float]]] = {arm: [] for arm in configs}
+
+    def run(arm: str) -> list[tuple[int, ...]]:
+        engine.config = configs[arm]
+        before = counters(engine)
+        tokens = [c.token_ids for c in engine.generate_branches(prompt, args.branches, params)]
+        after = counters(engine)
+        deltas[arm].append({name: after.get(name, 0) - before.get(name, 0) for name in after})
+        return tokens
+
+    timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats)
+    want = timings["off"].results[0]
+    cells = []
+    for arm, timing in timings.items():
+        delta = deltas[arm][-1]
+        seconds = min(timing.runs_s)
+        drafted = delta["drafted_tokens"]
+        cell = {"workload": label, "arm": arm, "identical": all(result == want for result in timing.results),
+                "runs_s": [round(s, 4) for s in timing.runs_s], "decode_tokens_per_s": delta["decode_tokens"] / seconds,
+                "acceptance": delta["accepted_draft_tokens"] / drafted if drafted else None, **delta}
+        cells.append(cell)
+    off = next(c for c in cells if c["arm"] == "off")
+    for cell in cells:
+        cell["speedup"] = cell["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+        print(format_cell(cell), flush=True)
+    return {"workload": label, "cells": cells}
+
+
+def format_cell(cell: dict[str, Any]) -> str:
+    acceptance = "    -" if cell["acceptance"] is None else f"{cell['acceptance']:5.1%}"
+    return (f"{cell['workload']:>16} {cell['arm']:>14}: {cell['decode_tokens_per_s']:8.1f} tok/s "
+            f"({cell['speedup']:.2f}x) identical={cell['identical']!s:>5} | accepted {acceptance} of "
+            f"{cell['drafted_tokens']:5.0f} drafted | {cell['draft_forwards']:4.0f} verifying forwards, "
+            f"{cell['draft_steps_saved']:4.0f} forwards saved")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    harness.start_run(args)
+    torch.manual_seed(0)
+    shots = synthetic_problems(args.shots, seed=1)
+    results = []
+    if not args.no_default_model:
+        engine = harness.load_engine(args)
+        harness.warm_up(engine)
+        results.append(measure("few-shot", engine, few_shot_messages(QUESTION, shots), args))
+    text = f"Q: {QUESTION}\nA:"
+    for shot in reversed(shots):  # as many worked examples as the tiny models' context leaves room for
+        example = f"Q: {shot.question}\nA: {shot.solution}\n\n"
+        if len(example) + len(text) + args.max_new_tokens > TINY_CONTEXT_CHARS:
+            break
+        text = example + text
+    for name in args.families:
+        engine = RKSCEngine(make_family_model(name), char_tokenizer())
+        results.append(measure(f"tiny {name}", engine, text, args))
+    harness.write_json(args.json_out, {"arguments": vars(args), "workloads": results})
+
+
+if __name__ == "__main__":
+    main()
