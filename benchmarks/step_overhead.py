@@ -23,11 +23,11 @@ from rksc_bench import harness
 from rksc_bench.families import char_tokenizer, make_family_model
 from rksc_bench.step_overhead import (
     LAYOUTS,
+    StepTimings,
     engine_run,
     generate_run,
     no_end_of_text,
     per_step,
-    time_per_step,
     workload,
 )
 from rksc_engine import RKSCEngine
@@ -46,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {LAYOUTS}")
     parser.add_argument("--compile", action="store_true", help="add the compiled static-rows arm (slow to build)")
     parser.add_count("--short", 4, "tokens of the short run (default 4)")
-    parser.add_count("--long", 20, "tokens of the long run (default 20)")
-    parser.add_repeats(3)
+    parser.add_count("--long", 36, "tokens of the long run (default 36)")
+    parser.add_repeats(5)
     parser.add_argument("--no-time", action="store_true", help="counts only (no wall time)")
     args = parser.parse_args(argv)
     args.layouts = args.layouts.split(",")
@@ -86,12 +86,12 @@ def measure_model(name: str, model, tokenizer, args: argparse.Namespace) -> list
                     cost = per_step(run, args.short, args.long)
                     cell[arm] = {"operator_calls": round(cost.operator_calls, 1), "python_calls": round(cost.python_calls, 1)}
                 if not args.no_time:
-                    for _ in range(args.repeats):  # arms alternate, a repeat each
+                    timings = {arm: StepTimings() for arm in runs}
+                    for _ in range(args.repeats):  # arms alternate, a pair of runs each
                         for arm, run in runs.items():
-                            ms = time_per_step(run, args.short, args.long, 1)
-                            cell[arm].setdefault("ms_runs", []).append(round(ms, 3))
+                            timings[arm].add(run, args.short, args.long)
                     for arm in runs:
-                        cell[arm]["ms"] = min(cell[arm]["ms_runs"])
+                        cell[arm]["ms"] = round(timings[arm].ms_per_step(), 3)
                 rows_out.append(cell)
                 print(format_cell(cell, arms), flush=True)
     return rows_out

@@ -139,15 +139,31 @@ def per_step(run: Callable[[int], int], short: int, long: int, *, count_python: 
 def time_per_step(run: Callable[[int], int], short: int, long: int, repeats: int) -> float:
     """Milliseconds per step of ``run``: the fastest long run less the fastest short run, over the
     steps between them."""
-    best = {}
-    for tokens in (short, long) * repeats:
-        start = time.perf_counter()
-        steps = run(tokens)
-        elapsed = time.perf_counter() - start
-        if tokens not in best or elapsed < best[tokens][0]:
-            best[tokens] = (elapsed, steps)
-    (short_s, short_steps), (long_s, long_steps) = best[short], best[long]
-    return 1000.0 * (long_s - short_s) / max(1, long_steps - short_steps)
+    timings = StepTimings()
+    for _ in range(repeats):
+        timings.add(run, short, long)
+    return timings.ms_per_step()
+
+
+@dataclass
+class StepTimings:
+    """Wall times of one arm's short and long runs, gathered a pair at a time so that arms can
+    alternate; the step's time is the fastest long run less the fastest short run, over the steps
+    between them (the fastest run is the one least disturbed by anything else)."""
+
+    best: dict[int, tuple[float, int]] = field(default_factory=dict)
+
+    def add(self, run: Callable[[int], int], short: int, long: int) -> None:
+        for tokens in (short, long):
+            start = time.perf_counter()
+            steps = run(tokens)
+            elapsed = time.perf_counter() - start
+            if tokens not in self.best or elapsed < self.best[tokens][0]:
+                self.best[tokens] = (elapsed, steps)
+
+    def ms_per_step(self) -> float:
+        (short_s, short_steps), (long_s, long_steps) = (self.best[t] for t in sorted(self.best))
+        return 1000.0 * (long_s - short_s) / max(1, long_steps - short_steps)
 
 
 def engine_run(engine: Any, work: Workload) -> Callable[[int], int]:
