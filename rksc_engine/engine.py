@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, SamplingParams, check_request_shape
-from .kvcache.memory import available_memory_bytes, format_bytes
+from .kvcache.memory import available_memory_bytes
 from .kvcache.radix import RadixPrefixCache
 from .kvcache.shared_prefix import initial_suffix_capacity
 from .kvcache.state_snapshots import StateSnapshots
@@ -48,6 +48,7 @@ from .runtime.prompts import ChatMessage, Prompt, PromptEncoder
 from .runtime.sampling import decode_bytes_per_row
 from .runtime.scheduler import Scheduler
 from .runtime.stats import Counters
+from .units import format_bytes
 
 __all__ = ["CachedPrefix", "ChatMessage", "Prefilled", "Prompt", "RKSCEngine"]
 

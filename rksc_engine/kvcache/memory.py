@@ -6,8 +6,7 @@ Out of memory means ``is_out_of_memory``: ``torch.OutOfMemoryError``, ``MemoryEr
 ``RuntimeError`` torch raises when the CPU allocator fails ("DefaultCPUAllocator: can't allocate memory").
 
 Before anything runs, ``available_memory_bytes`` says how much a new allocation on a device can
-still get, so that a request certain not to fit is refused up front; ``format_bytes`` writes sizes
-in those refusals.
+still get, so that a request certain not to fit is refused up front.
 
 Promises:
     * A failed try leaves the request's ``transformers`` cache exactly as it was before the try:
@@ -77,17 +76,6 @@ def available_memory_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
         return None
-
-
-def format_bytes(num_bytes: int | float) -> str:
-    """``num_bytes`` in the largest binary unit it fills, with three significant digits or more:
-    ``512 B``, ``45.0 KiB``, ``1.25 MiB``, ``183 GiB``, ``1,830 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= scale:
-            value = num_bytes / scale
-            decimals = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-            return f"{value:,.{decimals}f} {unit}"
-    return f"{int(num_bytes):,} B"
 
 
 def cache_lengths(cache: Any) -> list[int] | None:

@@ -94,7 +94,7 @@ def _fastest_decode(tokenizer: Any) -> Callable[[list[int]], str]:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer of a fast tokenizer
     if backend is None or not hasattr(backend, "decode"):
         return decode
     try:

@@ -1,7 +1,7 @@
 """Package layering, checked on the import graph that the code's own imports draw (every import,
 lazy ones inside functions included):
 
-* layers: the base modules (settings, result types, token helpers) < ``kvcache/`` < ``runtime/`` <
+* layers: the base modules (settings, result types, byte sizes as text, token helpers) < ``kvcache/`` < ``runtime/`` <
   ``protocol.py`` (what an engine offers) < reasoning, structured output and workloads (which see an
   engine only through the protocol) < the facades (``engine.py``, ``remote.py``) < the integrations,
   the server, the bench and the command line; no module imports a layer above its own, and
@@ -37,7 +37,7 @@ THIRD_PARTY_ABOVE_ENGINE = ("langchain", "langchain_core", "llama_index", "fasta
 
 # Layers, lowest first; a module belongs to the first entry whose prefix matches its dotted name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("rksc_engine.config", "rksc_engine.results", "rksc_engine.decoder_parts")),
+    ("base", ("rksc_engine.config", "rksc_engine.results", "rksc_engine.decoder_parts", "rksc_engine.units")),
     ("kvcache", ("rksc_engine.kvcache",)),
     ("runtime", ("rksc_engine.runtime",)),
     ("protocol", ("rksc_engine.protocol",)),

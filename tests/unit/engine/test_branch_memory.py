@@ -10,8 +10,9 @@ from conftest import make_char_tokenizer, make_tiny_model
 import rksc_engine.engine as engine_module
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import RSBCMConfig
-from rksc_engine.kvcache.memory import available_memory_bytes, format_bytes
+from rksc_engine.kvcache.memory import available_memory_bytes
 from rksc_engine.runtime.sampling import SAMPLING_BYTES_PER_LOGIT, decode_bytes_per_row
+from rksc_engine.units import format_bytes
 
 SMOLLM_VOCAB = 49152  # the default model's vocabulary
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32

@@ -45,4 +45,13 @@ def test_features_and_refusals_appear_once_they_have_something_to_say():
     assert "  out-of-memory retries: 1" in text
     assert "  prefix cache off: sliding-window model" in text
     assert "  extra: branches_cancelled=4" in text
-    assert "prefix cache: 3.0 MiB of 512 B budget" in text
+    assert "prefix cache: 3.00 MiB of 512 B budget" in text
+
+
+def test_printed_sizes_read_as_the_engine_s_refusals_write_them():
+    # One byte format for the whole engine: a size in the stats summary is the size a refusal shows.
+    stats = EngineStats(cache_bytes=46080, cache_budget_bytes=19_660_800_000, cache_peak_bytes=1023,
+                        running_kv_bytes=3 * 2**20 // 2, peak_running_kv_bytes=1830 * 2**30)
+    text = str(stats)
+    assert "prefix cache: 45.0 KiB of 18.3 GiB budget (peak 1,023 B)" in text, text
+    assert "running KV: 1.50 MiB (peak 1,830 GiB)" in text, text
