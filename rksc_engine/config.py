@@ -69,6 +69,25 @@ def check_request_shape(n: object, params: object) -> SamplingParams:
     return params
 
 
+def check_branch_hooks(n: int, params: SamplingParams, stream: object, monitor: object,
+                       max_branches: object) -> int:
+    """The checks every engine makes of a request's ``stream``, ``monitor`` and ``max_branches``
+    (``n`` and ``params`` already checked); returns ``max_branches`` (``n`` for None)."""
+    if not isinstance(stream, bool):
+        raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+    if monitor is not None and not callable(getattr(monitor, "observe", None)):
+        raise TypeError(f"monitor must have an observe(events) method, got {type(monitor).__name__}")
+    if max_branches is None:
+        return n
+    if not isinstance(max_branches, int) or isinstance(max_branches, bool):
+        raise TypeError(f"max_branches must be an int or None, got {type(max_branches).__name__}")
+    if max_branches < n:
+        raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
+    if max_branches > n:
+        check_request_shape(max_branches, params)  # the added branches obey the same bounds
+    return max_branches
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to decode one request.

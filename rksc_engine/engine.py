@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, SamplingParams, check_request_shape
+from .config import EngineConfig, SamplingParams, check_branch_hooks, check_request_shape
 from .kvcache.memory import available_memory_bytes
 from .kvcache.radix import RadixPrefixCache
 from .kvcache.shared_prefix import initial_suffix_capacity
@@ -285,18 +285,8 @@ class RKSCEngine:
         params = self.validate_request(prompt_ids, n, params)
         if logits_processor is not None and not callable(logits_processor):
             raise TypeError(f"logits_processor must be callable, got {type(logits_processor).__name__}")
-        if not isinstance(stream, bool):
-            raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
-        if monitor is not None and not callable(getattr(monitor, "observe", None)):
-            raise TypeError(f"monitor must have an observe(events) method, got {type(monitor).__name__}")
-        if max_branches is None:
-            max_branches = n
-        elif not isinstance(max_branches, int) or isinstance(max_branches, bool):
-            raise TypeError(f"max_branches must be an int or None, got {type(max_branches).__name__}")
-        elif max_branches < n:
-            raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
+        max_branches = check_branch_hooks(n, params, stream, monitor, max_branches)
         if max_branches > n:
-            check_request_shape(max_branches, params)  # the added branches obey the same bounds
             max_new = min(params.max_new_tokens, self.context_window - len(prompt_ids))
             self._check_branch_memory("max_branches", max_branches,
                                       initial_suffix_capacity(max_new) * self.kv_bytes_per_token)

@@ -66,7 +66,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from .config import SamplingParams, check_request_shape
+from .config import SamplingParams, check_branch_hooks, check_request_shape
 from .remote_branches import BranchFanOut, BranchListener
 from .remote_probe import ProbeAnswer, probe_capabilities
 from .remote_wire import (
@@ -200,20 +200,10 @@ class RemoteEngine:
         """
         if logits_processor is not None:
             raise NotImplementedError(f"a logits processor runs inside the decode loop, so {LOCAL_ONLY}")
-        if not isinstance(stream, bool):
-            raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
-        if monitor is not None and not callable(getattr(monitor, "observe", None)):
-            raise TypeError(f"monitor must have an observe(events) method, got {type(monitor).__name__}")
         path, body = prompt_body(prompt)
         params = check_request_shape(n, params)
-        if max_branches is None:
-            max_branches = n
-        elif not isinstance(max_branches, int) or isinstance(max_branches, bool):
-            raise TypeError(f"max_branches must be an int or None, got {type(max_branches).__name__}")
-        elif max_branches < n:
-            raise ValueError(f"max_branches must be >= n ({n}), got {max_branches}")
+        max_branches = check_branch_hooks(n, params, stream, monitor, max_branches)
         if max_branches > n:
-            check_request_shape(max_branches, params)  # the added branches obey the same bounds
             if monitor is None:
                 raise ValueError("max_branches > n needs a monitor, which is what adds branches")
         if monitor is not None or (n > 1 and self._capabilities is not None and not self._capabilities.n):
