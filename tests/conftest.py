@@ -222,32 +222,12 @@ def evaluate_arithmetic(expression: str) -> str:
         return f"error: {exc}"
 
 
-@contextlib.contextmanager
 def serving(app, timeout_s: float = 10.0):
     """Serve the ASGI ``app`` with uvicorn on a free loopback port (picked now, by binding port 0) in
     a background thread; yields the base URL (``http://127.0.0.1:PORT``) and stops the server after."""
-    import socket
-    import threading
-    import time
+    from rksc_bench.servers import app_in_thread
 
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
-        sock.close()
+    return app_in_thread(app, timeout_s)
 
 
 def no_locked_nodes(engine) -> bool:
