@@ -32,6 +32,7 @@ from .split_attention import (
     empty_block,
     masked_block,
     prefix_rows,
+    prompt_attention,
     request_partials,
     rows_to_branches,
     same_segment_runs,
@@ -156,32 +157,6 @@ def _variant_batch_attention(query: torch.Tensor, num_kv_heads: int, layer: Batc
                                      variant.softcap, prefix=False)
         partials.append((blocks, out_s, lse_s))
     return combine(partials, query.shape, query.dtype)
-
-
-def _prompt_attention(query: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
-                      new_keys: torch.Tensor, new_values: torch.Tensor, scale: float, fused: bool,
-                      variant: AttentionVariant = PLAIN_ATTENTION) -> torch.Tensor:
-    """A prompt's new tokens, prefilled in a decode step: ``query`` (1, H, T, D) over the prompt's
-    cached prefix (1, H_kv, P, D), if any, and causally over its own new KV (1, H_kv, T, D), as
-    the model's SDPA prefill computes it. Returns (1, T, H, D)."""
-    num_new = query.shape[2]
-    if not variant.plain:
-        segments = [] if prefix is None else [prefix]
-        num_prefix = 0 if prefix is None else prefix[0].shape[2]
-        partials = variant_partials(query, segments, new_keys, new_values, num_prefix, scale, fused, variant)
-        return combine([partials], query.shape, query.dtype)
-    if prefix is None:
-        out = torch.nn.functional.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True,
-                                                               scale=scale, enable_gqa=True)
-    else:
-        num_prefix = prefix[0].shape[2]
-        keys = torch.cat([prefix[0], new_keys], dim=2)
-        values = torch.cat([prefix[1], new_values], dim=2)
-        visible = torch.arange(num_prefix + num_new, device=query.device)[None, :] <= (
-            torch.arange(num_new, device=query.device)[:, None] + num_prefix)  # (T, P + T)
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
-                                                               enable_gqa=True)
-    return out.transpose(1, 2)
 
 
 # -- the cache ----------------------------------------------------------------------------------
@@ -462,6 +437,6 @@ class BatchDecodeCache(SplitAttentionCache):
                                     self.fused, variant).reshape(1, rows, batch_heads, head_dim)]
         for (start, stop), prefix, (new_keys, new_values) in zip(layer.prompt_spans, layer.prompt_prefixes,
                                                                   layer.prompt_new):
-            outputs.append(_prompt_attention(query[:, :, start:stop], prefix, new_keys, new_values, scale, self.fused,
+            outputs.append(prompt_attention(query[:, :, start:stop], prefix, new_keys, new_values, scale, self.fused,
                                              variant))
         return torch.cat(outputs, dim=1)

@@ -380,3 +380,30 @@ def shared_segments_of(segment_lists: list[list[tuple[torch.Tensor, torch.Tensor
             else:
                 entry[1].append((g, position))
     return list(found.values())
+
+
+def prompt_attention(query: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tensor] | None,
+                     new_keys: torch.Tensor, new_values: torch.Tensor, scale: float, fused: bool,
+                     variant: AttentionVariant = PLAIN_ATTENTION) -> torch.Tensor:
+    """One prompt's new tokens, prefilled in a forward that holds other rows or prompts too:
+    ``query`` (1, H, T, D) over the prompt's cached prefix (1, H_kv, P, D), if any, and causally
+    over its own new KV (1, H_kv, T, D), as the model's SDPA prefill computes it; it never sees
+    another prompt's keys. Returns (1, T, H, D)."""
+    num_new = query.shape[2]
+    if not variant.plain:
+        segments = [] if prefix is None else [prefix]
+        num_prefix = 0 if prefix is None else prefix[0].shape[2]
+        partials = variant_partials(query, segments, new_keys, new_values, num_prefix, scale, fused, variant)
+        return combine([partials], query.shape, query.dtype)
+    if prefix is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True,
+                                                               scale=scale, enable_gqa=True)
+    else:
+        num_prefix = prefix[0].shape[2]
+        keys = torch.cat([prefix[0], new_keys], dim=2)
+        values = torch.cat([prefix[1], new_values], dim=2)
+        visible = torch.arange(num_prefix + num_new, device=query.device)[None, :] <= (
+            torch.arange(num_new, device=query.device)[:, None] + num_prefix)  # (T, P + T)
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
+                                                               enable_gqa=True)
+    return out.transpose(1, 2)

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from ..kvcache.cache_layers import has_sliding_layers
+from ..kvcache.packed_prompts import PackedPromptsCache
 from ..kvcache.probe import logit_tolerance
+from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
 from .model_runner import ran_out_of_memory
 from .prefix_access import LockedPrefix, Prefilled, PrefixAccess
 
@@ -39,15 +41,26 @@ class PromptPacker:
 
     def packs_prompts(self) -> bool:
         """Whether ``prefill_packed`` may serve prompts here: every prompt takes the token-exact path
-        (ASKS cannot act), the model's cache layers keep the whole prefix, and no layer has a sliding
-        window (the packed mask is one for every layer, so it cannot carry a window)."""
+        (ASKS cannot act), the model's cache layers keep the whole prefix, and, for a model with
+        sliding-window layers, each prompt attends on its own (``packed_pass``): one mask for the
+        whole row could not carry a window."""
         if self._packs_prompts is None:  # the model and the settings are fixed for the engine's life
             access = self.access
             config = access.asks_config
             asks_may_act = config.enabled and config.tau < 1.0 and access.cacheable
-            self._packs_prompts = (not asks_may_act and access.runner.supports_prefix_cache()
-                                   and not has_sliding_layers(access.runner.model.config))
+            runner = access.runner
+            self._packs_prompts = (not asks_may_act and runner.supports_prefix_cache()
+                                   and (not has_sliding_layers(runner.model.config) or self._splits_attention()))
         return self._packs_prompts
+
+    def _splits_attention(self) -> bool:
+        """Whether the model runs the shared-prefix attention, so a packed prompt can attend on its
+        own; the shared-prefix probe decides, once (a forced mode that fails it raises there, at
+        the decode, not here)."""
+        try:
+            return self.access.runner.decodes_with_shared_prefix()
+        except Exception:  # noqa: BLE001 - then prompts are packed the other way, or not at all
+            return False
 
     def prefill_packed(self, prompts: Sequence[list[int]], max_context_tokens: int | None = None) -> list[Prefilled]:
         """Several prompts' KV in one forward: each prompt's longest cached prefix served by the radix
@@ -122,22 +135,53 @@ class PromptPacker:
         cached prefix (``matches``, from ``PrefixAccess.match_prompts``) joined with its new KV
         (``new_kv``, per layer (1, H_kv, T, D)), inserted into the radix cache and counted like a
         prefill. ``last_logits`` (prompts, V)."""
+        results = self._joined(prompts, matches, new_kv, last_logits)
+        self.access.insert_and_count(results)
+        return results
+
+    def _joined(self, prompts: Sequence[list[int]], matches: Sequence[LockedPrefix],
+                new_kv: Sequence[list[tuple[torch.Tensor, torch.Tensor]]], last_logits: torch.Tensor
+                ) -> list[Prefilled]:
+        """Each prompt's cached prefix joined with its new KV, as a ``Prefilled``; nothing inserted."""
         runner = self.access.runner
         results = []
         for index, (prompt_ids, (cached, matched, _), layers) in enumerate(zip(prompts, matches, new_kv)):
             if matched:
                 kv = [(torch.cat([old.keys, keys], dim=2), torch.cat([old.values, values], dim=2))
                       for old, (keys, values) in zip(cached.layers, layers)]
-            else:  # a copy: the new KV is a view of the whole step's projections
+            else:  # a copy: the new KV is a view of the whole forward's projections
                 kv = [(keys.clone(), values.clone()) for keys, values in layers]
             cache = runner.new_cache(kv)
             results.append(Prefilled(list(prompt_ids), cache, last_logits[index:index + 1], matched))
-        self.access.insert_and_count(results)
         return results
 
     def packed_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
         """One packed forward over ``prompts`` after their cached prefixes (``matches``); nothing
-        inserted or counted."""
+        inserted or counted. Where the model runs the shared-prefix attention, each prompt attends
+        to itself alone (``PackedPromptsCache``); otherwise through the model's own attention with a
+        block-diagonal mask over the whole row, which costs the square of the pack's length."""
+        if self._splits_attention():
+            return self._split_pass(prompts, matches)
+        return self._masked_pass(prompts, matches)
+
+    def _split_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
+        """``packed_pass`` through ``PackedPromptsCache``: each prompt's attention computed on its own."""
+        runner = self.access.runner
+        device = runner.device
+        matched = [m for _, m, _ in matches]
+        new_tokens = [prompt[m:] for prompt, m in zip(prompts, matched)]
+        prefixes = [[(layer.keys, layer.values) for layer in cache.layers] if m else None for cache, m, _ in matches]
+        cache = PackedPromptsCache(prefixes, [len(t) for t in new_tokens], int(runner.text_config.num_hidden_layers))
+        input_ids = torch.tensor([[t for tokens in new_tokens for t in tokens]], device=device)
+        positions = torch.cat([torch.arange(m, m + len(t), device=device) for m, t in zip(matched, new_tokens)])
+        last_rows = torch.tensor([stop - 1 for _, stop in cache.spans], device=device)
+        with attention_implementation(runner.model, ATTENTION_NAME):
+            out = runner.forward(input_ids, cache, logits_to_keep=last_rows, position_ids=positions[None],
+                                 **cache.forward_kwargs())
+        return self._joined(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))], out.logits[0])
+
+    def _masked_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
+        """``packed_pass`` through the model's own attention and a block-diagonal mask."""
         runner = self.access.runner
         device, dtype = runner.device, runner.dtype
         matched = [m for _, m, _ in matches]

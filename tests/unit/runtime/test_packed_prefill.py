@@ -180,3 +180,45 @@ def test_a_pack_over_the_step_budget_of_context_runs_as_several_forwards_with_th
     assert packed_prefills(engine) >= 2
     for prompt, tokens in zip(prompts, got):
         assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
+
+
+def test_each_packed_prompt_attends_only_to_its_own_prefix_and_tokens(monkeypatch):
+    """The pack's attention costs what its prompts cost apart: no query reads another prompt's
+    keys (a dense block-diagonal mask over the packed row would read all of them)."""
+    from rksc_engine.kvcache import packed_prompts
+
+    engine = engine_for(0)
+    want = [hf_greedy(engine, p, 6) for p in PROMPTS]
+    seen: list[tuple[int, int]] = []
+    real = packed_prompts.prompt_attention
+
+    def recording(query, prefix, new_keys, *args, **kwargs):
+        seen.append((query.shape[2], (0 if prefix is None else prefix[0].shape[2]) + new_keys.shape[2]))
+        return real(query, prefix, new_keys, *args, **kwargs)
+
+    monkeypatch.setattr(packed_prompts, "prompt_attention", recording)
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=6)) for p in PROMPTS])
+    assert [tokens[0] for tokens in got] == want
+    assert packed_prefills(engine) == 1
+    layers = engine.model.config.num_hidden_layers
+    lengths = {len(engine.encode(p)) for p in PROMPTS}
+    assert len(seen) >= 2 * layers and len(seen) % layers == 0, "fewer than two prompts were packed"
+    # Nothing was cached: each prompt's queries read exactly its own keys.
+    assert all(queries == keys and keys in lengths for queries, keys in seen), seen
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding", "gemma2", "gpt-oss"])
+def test_prompts_of_a_sliding_window_model_are_packed_and_decode_what_transformers_generates(family):
+    from rksc_bench.families import char_tokenizer, make_family_model
+
+    engine = RKSCEngine(make_family_model(family), char_tokenizer())
+    prompts = [f"Request {i}: " + "tell me about the mill. " * (1 + i) for i in range(4)]  # past the 12-token window
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    assert packed_prefills(engine) == 1, "a sliding-window model's prompts were prefilled one by one"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
+    # A second round reuses each prompt's cached KV as its prefix, inside the window's reach.
+    again = run_together(engine, [(p + " and?", 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    assert packed_prefills(engine) == 2
+    for prompt, tokens in zip(prompts, again):
+        assert tokens[0] == hf_greedy(engine, prompt + " and?", 8), prompt
