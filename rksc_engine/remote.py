@@ -626,7 +626,7 @@ class _Call:
 
     def cancel(self) -> None:
         """Release whoever waits on the request, and cut its connection. Never blocks for long."""
-        self.channel.cancelled.set()
+        self.channel.cancel()
         self.channel.fail(self.cancelled_error())
         with self._lock:
             if self._socket is None:

@@ -53,8 +53,9 @@ def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, requests: Sequ
     row_ranges = []
     pending: list[Request] = []
     for request in requests:
-        row_ranges.append((len(order), len(order) + request.cache.num_rows))
-        order += request.cache.slots
+        slots = request.cache.slots
+        row_ranges.append((len(order), len(order) + len(slots)))
+        order += slots
         if request.next_tokens is not None:
             pending.append(request)
     slots = torch.tensor(order, device=pool.device)

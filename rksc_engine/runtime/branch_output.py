@@ -16,10 +16,13 @@ from .request import Branch, Request
 
 
 def append_token(branch: Branch, token: int, logprob: float, params: SamplingParams, max_new: int,
-                 eos_token_ids: Collection[int], detokenizer: Detokenizer) -> None:
+                 eos_token_ids: Collection[int], detokenizer: Detokenizer, watched: bool = True) -> None:
     """Record ``token`` on ``branch`` and set its ``finish_reason`` when it ends the branch: an end
     of sequence token, a stop string in the text (the text is cut before it), or ``max_new`` tokens.
-    The text is the decode of the tokens before an end of sequence token."""
+    The text is the decode of the tokens before an end of sequence token.
+
+    ``watched`` False (a request whose text nobody reads while it runs: no stream, no stop string,
+    no monitor) leaves the text to be decoded once, when the branch ends (``finish_text``)."""
     branch.token_ids.append(token)
     branch.logprobs.append(logprob)
     if len(branch.token_ids) > branch.skip_tokens:
@@ -28,7 +31,8 @@ def append_token(branch: Branch, token: int, logprob: float, params: SamplingPar
         branch.finish_reason = "eos"
         branch.text = detokenizer.whole(branch.text, branch.token_ids[:-1], branch.text_state)
         return
-    branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
+    if watched:
+        branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
     if params.stop:
         cut = first_stop(branch.text, params.stop)
         if cut is not None:
@@ -37,6 +41,26 @@ def append_token(branch: Branch, token: int, logprob: float, params: SamplingPar
             return
     if len(branch.token_ids) >= max_new:
         branch.finish_reason = "length"
+        branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
+
+
+def end_if_done(branch: Branch, max_new: int, eos_token_ids: Collection[int], detokenizer: Detokenizer) -> None:
+    """``append_token``'s ending of an unwatched branch whose latest token was recorded without it:
+    an end of sequence token ends it (``"eos"``), else ``max_new`` tokens do (``"length"``); its
+    text is then made, as ``append_token`` makes it."""
+    token_ids = branch.token_ids
+    if token_ids[-1] in eos_token_ids:
+        branch.finish_reason = "eos"
+        branch.text = detokenizer.whole(branch.text, token_ids[:-1], branch.text_state)
+    elif len(token_ids) >= max_new:
+        branch.finish_reason = "length"
+        branch.text = detokenizer.whole(branch.text, token_ids, branch.text_state)
+
+
+def finish_text(branch: Branch, detokenizer: Detokenizer) -> None:
+    """Give ``branch``, which has ended, the text of all its tokens (an ``"eos"`` branch's text, made
+    when it ended, leaves out the end of sequence token and is kept)."""
+    if branch.finish_reason != "eos":
         branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
 
 

@@ -77,6 +77,9 @@ class RequestChannel:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.cancelled = threading.Event()
         self._branches_to_cancel: set[int] = set()
+        # Set with ``cancelled`` (``cancel``) and by ``cancel_branches``: a plain attribute the
+        # scheduler reads every step for every request, so a request nobody stopped costs no call.
+        self.asks_to_stop = False
 
     # -- producer side (the scheduler) ----------------------------------------------------------
     def push(self, chunk: StreamChunk) -> None:
@@ -112,12 +115,19 @@ class RequestChannel:
         """Branch indices the consumer asked to stop since the last call (the scheduler's side)."""
         with self._cond:
             taken, self._branches_to_cancel = self._branches_to_cancel, set()
+            self.asks_to_stop = self.cancelled.is_set()  # ``cancel`` sets ``cancelled`` first
             return taken
 
     # -- consumer side --------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Ask the scheduler to drop the request (at its next step)."""
+        self.cancelled.set()
+        self.asks_to_stop = True
+
     def cancel_branches(self, indices: set[int]) -> None:
         with self._cond:
             self._branches_to_cancel |= indices
+            self.asks_to_stop = True
 
     @property
     def finished(self) -> bool:
@@ -201,7 +211,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop the request; its rows leave the batch and its KV is freed at the scheduler's next step."""
         if not self._channel.cancelled.is_set():
-            self._channel.cancelled.set()
+            self._channel.cancel()
             self._scheduler.wake()
 
     close = cancel
@@ -313,7 +323,7 @@ class RequestHandle:
         # A handle nobody can reach any more cannot deliver its output: free the request's KV.
         try:
             if not self._channel.finished:
-                self._channel.cancelled.set()
+                self._channel.cancel()
         except Exception:
             pass
 

@@ -55,11 +55,11 @@ import torch
 
 from ..config import SamplingParams, SchedulerConfig
 from ..kvcache.shared_prefix import SharedPrefixCache
-from ..kvcache.static_rows import StaticRowPool
+from ..kvcache.static_rows import StaticRowPool, StaticRows
 from ..results import EngineStats
 from .admission import Admission
 from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
-from .branch_output import append_token, completion, emit
+from .branch_output import append_token, completion, emit, end_if_done, finish_text
 from .cpu_threads import release_openmp_workers
 from .detokenize import Detokenizer
 from .drafted_step import StepInputs, forward_drafted, may_draft, plan_step, verify
@@ -333,7 +333,9 @@ class Scheduler:
                 self.fail(request, RequestCancelled(f"request {request.request_id} was cancelled"))
         drained: set[int] = set()
         for request in requests.decoding():
-            head = request.head
+            head = request.owner or request
+            if not head.channel.asks_to_stop and not head.branching.pending_stop:
+                continue  # nothing to do for it: the usual case, kept to attribute reads
             if request.status is not RequestStatus.RUNNING:  # ended with another member of its request
                 continue
             try:
@@ -358,9 +360,11 @@ class Scheduler:
         after the decode and take their next token in the next step."""
         runner = self.runner
         running = self.requests.decoding()  # waves added during this decode take their next token next step
-        batched = [r for r in running if r.shared]
-        static = [r for r in running if r.static]
-        alone = [r for r in running if not r.shared and not r.static]
+        batched, static, alone = [], [], []
+        for request in running:  # by the cache each decodes in
+            cache = request.cache
+            (static if isinstance(cache, StaticRows) else batched if isinstance(cache, SharedPrefixCache)
+             else alone).append(request)
         config = self._config
         plans = plan_step(batched, config.draft_tokens, config.draft_sources) if config.draft_tokens and batched else None
         mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
@@ -414,13 +418,62 @@ class Scheduler:
             token_list, logprob_list = greedy[0].tolist(), greedy[1].tolist()
             if pool is not None:
                 pool.next_tokens.index_copy_(0, slots, greedy[0])
+        unwatched: list[tuple[Request, int]] = []
         for request, takes, (start, stop) in zip(requests, takes_greedy, row_ranges):
             if greedy is None or not takes:
                 self._advance_or_fail(request, logits[start:stop])
                 continue
+            if pool is not None and not request.watched:
+                unwatched.append((request, start))
+                continue
             # Static rows feed their next tokens from the pool; the others keep theirs for the forward.
             next_tokens = None if pool is not None else greedy[0][start:stop]
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
+        if unwatched:
+            self._advance_unwatched(unwatched, token_list, logprob_list)
+
+    def _advance_unwatched(self, requests: list[tuple[Request, int]], tokens: list[int], logprobs: list[float]
+                           ) -> None:
+        """Record one step of greedy requests on static rows that nobody watches while they run (each
+        with its first row's index into ``tokens``/``logprobs``): their next tokens are in the pool
+        already, so a step only appends each row's token and checks whether it ended the branch, in
+        one loop for all of them. A request with a row that ended, or a branch to stop, then takes
+        the usual way out (``stop_branches``); the others cost no call of their own."""
+        eos = self.runner.eos_token_ids
+        ending: list[Request] = []
+        recorded = 0
+        for request, start in requests:
+            active = request.active
+            if not active or request.status is not RequestStatus.RUNNING:  # failed earlier in this step
+                continue
+            branches, max_new = request.branches, request.max_new
+            ended = False
+            for row, b in enumerate(active):
+                branch = branches[b]
+                token = tokens[start + row]
+                branch.token_ids.append(token)
+                branch.logprobs.append(logprobs[start + row])
+                if token in eos or len(branch.token_ids) >= max_new:
+                    ended = True
+            recorded += len(active)
+            if ended or request.branching.pending_stop:
+                ending.append(request)
+        self.counters.count("decode_tokens", recorded)
+        for request in ending:
+            self._run_guarded(request, lambda r=request: self._end_unwatched_rows(r))
+
+    def _end_unwatched_rows(self, request: Request) -> bool:
+        """End the branches of an unwatched request whose latest token ended them, and retire its
+        ended and stopped rows; returns whether it still has rows."""
+        eos, detokenizer = self.runner.eos_token_ids, self.detokenizer
+        for b in request.active:
+            branch = request.branches[b]
+            if branch.finish_reason is None:
+                end_if_done(branch, request.max_new, eos, detokenizer)
+        if not stop_branches(request, self.counters, self.runner.device):
+            self._member_done(request)
+            return False
+        return True
 
     def _decode_drafted(self, running: list[Request], batched: list[Request], plans: list[StepInputs]) -> None:
         """``batched`` one step further in one forward over their ``plans``' positions (their next
@@ -541,7 +594,7 @@ class Scheduler:
             token_list, logprob_list = next_tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,
-                         self.runner.eos_token_ids, self.detokenizer)
+                         self.runner.eos_token_ids, self.detokenizer, request.watched)
         self.counters.count("decode_tokens", len(request.active))
         control = observe(request, token_list, logprob_list)
         if control is not None:
@@ -617,6 +670,8 @@ class Scheduler:
         for branch in request.branches:
             branch.skip_tokens, branch.emitted_chars = request.replay.delivered.get(branch.index, (0, 0))
         request.active = list(range(rows))
+        request.watched = (request.stream or bool(request.params.stop) or branching.monitor is not None
+                           or request.logits_processor is not None or forks)
         if not request.params.greedy:
             request.generators = make_generators(request.seed, rows, self.runner.device)
         branching.live_members = 1
@@ -687,6 +742,9 @@ class Scheduler:
             except Exception:  # caching is an optimisation: the request's answer stands without it
                 logger.exception("could not cache the KV of request %d's answer", request.request_id)
         self.kv.release(request)
+        if not request.watched:
+            for branch in request.branches:  # its text was left to be made now (a stopped branch's)
+                finish_text(branch, self.detokenizer)
         completions = [completion(request, b) for b in request.branches]
         self.runner.request_finished()
         self.requests.move(request, RequestStatus.FINISHED)

@@ -233,6 +233,7 @@ def with_a_running_and_a_prefilling_request(engine: RKSCEngine, running_kwargs=N
 def fault_in_reap(engine, monkeypatch):
     admitted, waiting = with_a_running_and_a_prefilling_request(engine)
     monkeypatch.setattr(admitted[0]._channel, "take_branch_cancellations", interrupt)
+    admitted[0]._channel.asks_to_stop = True  # as cancel_branches leaves it: the reap takes its branches
     return admitted, waiting
 
 

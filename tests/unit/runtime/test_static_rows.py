@@ -331,6 +331,56 @@ def test_static_step_operator_calls_per_step_do_not_grow_with_the_requests_and_s
             f"{layout}: {cost.operator_calls} against generate's {generate.operator_calls}")
 
 
+def test_a_decode_steps_python_work_barely_grows_with_the_requests_and_stays_near_generate():
+    """Python function calls per decode step (the host's work besides the operators): 16
+    independent greedy requests cost at most 30 calls a request more than 2 do, and at most 1.1x
+    ``transformers``' own step on the same 16 rows. Recording a token, its text, the finish checks
+    and the stop checks once per row and request would cost about 100 calls a row."""
+    from rksc_bench.families import char_tokenizer
+    from rksc_bench.step_overhead import engine_run, generate_run, no_end_of_text, per_step, workload
+
+    model = make_family_model("llama3")
+    prompts = [f"Question {i}: a shelf holds {i + 3} boxes of {2 * i + 5} books. How many?" for i in range(16)]
+    with no_end_of_text(model, char_tokenizer()) as quiet:
+        engine = RKSCEngine(model, quiet, STATIC)
+        calls = {rows: per_step(engine_run(engine, workload("independent", rows, prompts)), 3, 7).python_calls
+                 for rows in (2, 16)}
+        generate = per_step(generate_run(model, quiet, workload("independent", 16, prompts)), 3, 7).python_calls
+    assert calls[16] - calls[2] <= 30 * 14, f"16 requests: {calls[16]:.0f} calls a step, 2: {calls[2]:.0f}"
+    assert calls[16] <= 1.1 * generate, f"{calls[16]:.0f} calls a step against generate's {generate:.0f}"
+
+
+def test_an_unwatched_requests_text_is_decoded_once_when_its_branch_ends(tokenizer):
+    """A request nobody reads while it runs (no stream, stop string or monitor) gets the same tokens
+    and text as a streamed one, its text decoded once per branch instead of at every step; a branch
+    its caller stops mid-way still ends with the text of its tokens."""
+    model = make_family_model("llama3")
+    engine = RKSCEngine(model, tokenizer, STATIC)
+    decoder = engine.scheduler.detokenizer
+    real, decodes = decoder._decode, []
+    decoder._decode = lambda ids: decodes.append(len(ids)) or real(ids)
+    prompts = [PROMPT, *MIXED_LENGTH_PROMPTS[:3]]
+    params = SamplingParams(max_new_tokens=12)
+    with engine.exclusive():
+        handles = [engine.submit(p, 1, params) for p in prompts]
+    quiet = [h.result()[0] for h in handles]
+    assert len(decodes) <= len(prompts), f"{len(decodes)} decodes for {len(prompts)} branches"
+    for prompt, done in zip(prompts, quiet):
+        assert done.token_ids == engine_hf_greedy(engine, prompt, 12)
+        assert done.text == tokenizer.decode(list(done.token_ids), skip_special_tokens=True)
+        streamed = "".join(chunk.text for chunk in engine.stream(prompt, params))
+        assert streamed == done.text
+    with engine.exclusive():
+        handle = engine.submit(PROMPT, 3, SamplingParams(max_new_tokens=12))
+        for _ in range(5):
+            engine.scheduler.step()
+        handle.cancel_branches([1])
+    stopped = handle.result()
+    assert stopped[1].finish_reason == "cancelled" and 0 < len(stopped[1].token_ids) < 12
+    assert stopped[1].text == tokenizer.decode(list(stopped[1].token_ids), skip_special_tokens=True)
+    assert stopped[0].text == quiet[0].text
+
+
 @pytest.mark.slow
 def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tokenizer):
     """``decode_capture="compile"``: greedy requests of different lengths, one of which finishes
