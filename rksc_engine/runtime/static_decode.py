@@ -84,11 +84,25 @@ class StaticStep:
         position, writes their KV into the pool, and returns the next-token logits (top, V). The
         pool's lengths are the caller's to advance (``StaticRowPool.advance``)."""
         top = pool.top
+        # A compiled step is built per shape: its rows are padded to a power of two (free slots,
+        # whose rows nobody reads), so a batch that grows or shrinks a row at a time reuses a few.
+        rows = bucket_rows(top, pool.num_slots) if self.compiled else top
         key_length = pool.key_length()
-        positions = pool.lengths[:top]
+        positions = pool.lengths[:rows]
         masks = self.masks(positions, key_length, dtype)
         self.num_steps += 1
-        return self._run(next_tokens[:top, None], positions, masks, pool.keys, pool.values, key_length)
+        logits = self._run(next_tokens[:rows, None], positions, masks, pool.keys, pool.values, key_length)
+        return logits[:top] if rows > top else logits
+
+
+def bucket_rows(top: int, num_slots: int) -> int:
+    """The rows a compiled step runs for ``top`` live ones: the next power of two, within the pool's
+    slots (which grow by doubling, so they hold it). A padded row is a free slot at position 0: it
+    writes there what ``write_prompt`` overwrites when the slot is taken, and its logits are dropped."""
+    rows = 1
+    while rows < top:
+        rows *= 2
+    return min(rows, max(num_slots, top))
 
 
 def probe_static_rows(model: Any, step: StaticStep, forward: Any, tolerance: Any) -> tuple[bool, str]:

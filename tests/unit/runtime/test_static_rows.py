@@ -159,6 +159,56 @@ def test_static_step_operator_calls_do_not_grow_with_the_requests():
     assert counts[16] == counts[2], f"a step of 16 requests made {counts[16]} operator calls, of 2 {counts[2]}"
 
 
+def test_bucket_rows_pads_to_a_power_of_two_within_the_pools_slots():
+    from rksc_engine.runtime.static_decode import bucket_rows
+
+    assert [bucket_rows(top, 64) for top in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+    assert bucket_rows(3, 2) == 3, "never fewer rows than are live"
+
+
+def test_a_step_padded_to_its_row_bucket_gives_the_live_rows_the_unpadded_logits():
+    """What a compiled step runs (eagerly here): 3 live rows padded to 4, the padded one a free slot;
+    the live rows' logits equal an unpadded step's, and a request that later takes the padded slot
+    decodes as it would in a fresh pool."""
+    model = make_family_model("llama3")
+    config = model.config
+    types = layer_types(config)
+    padded = StaticStep(model, "cache", types, None, compiled=True)
+    padded._run = padded._forward  # the padding without the compiler
+    plain = StaticStep(model, "cache", types, None)
+    prompts = [torch.tensor([[5 + i, 9, 3 + 2 * i, 7][: 2 + i]]) for i in range(4)]
+
+    def pool_of(count: int) -> StaticRowPool:
+        pool = StaticRowPool(torch.device("cpu"), torch.float32)
+        pool.reserve(4, 16, [(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers)
+        for prompt in prompts[:count]:
+            kept = new_kv_cache(config)
+            with torch.inference_mode():
+                model(input_ids=prompt, past_key_values=kept, use_cache=True)
+            handle = pool.rows(1)
+            pool.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
+            pool.next_tokens[handle.slots[0]] = 11
+        return pool
+
+    a, b = pool_of(3), pool_of(3)
+    got = padded.logits(a, a.next_tokens, torch.float32)
+    want = plain.logits(b, b.next_tokens, torch.float32)
+    assert got.shape == want.shape == (3, config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert a.lengths[3] == 0, "the padded row holds no token"
+    # The padded row wrote its key at position 0 of the free slot; a prompt taking the slot
+    # overwrites it and leaves zeros after itself, as a fresh pool holds.
+    kept = new_kv_cache(config)
+    with torch.inference_mode():
+        model(input_ids=prompts[3], past_key_values=kept, use_cache=True)
+    handle = a.rows(1)
+    assert handle.slots == [3]
+    a.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
+    length = prompts[3].shape[1]
+    for keys, layer in zip(a.keys, kept.layers):
+        assert torch.equal(keys[3, :, :length], layer.keys[0]) and not keys[3, :, length:].any()
+
+
 # -- through the engine ------------------------------------------------------------------------------
 from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, no_locked_nodes  # noqa: E402
 
