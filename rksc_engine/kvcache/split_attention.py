@@ -390,20 +390,23 @@ def prompt_attention(query: torch.Tensor, prefix: tuple[torch.Tensor, torch.Tens
     over its own new KV (1, H_kv, T, D), as the model's SDPA prefill computes it; it never sees
     another prompt's keys. Returns (1, T, H, D)."""
     num_new = query.shape[2]
-    if not variant.plain:
+    if variant.softcap is not None or variant.sinks is not None:  # beyond what SDPA computes
         segments = [] if prefix is None else [prefix]
         num_prefix = 0 if prefix is None else prefix[0].shape[2]
         partials = variant_partials(query, segments, new_keys, new_values, num_prefix, scale, fused, variant)
         return combine([partials], query.shape, query.dtype)
-    if prefix is None:
+    if prefix is None and variant.window is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True,
                                                                scale=scale, enable_gqa=True)
-    else:
-        num_prefix = prefix[0].shape[2]
-        keys = torch.cat([prefix[0], new_keys], dim=2)
-        values = torch.cat([prefix[1], new_values], dim=2)
-        visible = torch.arange(num_prefix + num_new, device=query.device)[None, :] <= (
-            torch.arange(num_new, device=query.device)[:, None] + num_prefix)  # (T, P + T)
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
-                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+    num_prefix = 0 if prefix is None else prefix[0].shape[2]
+    keys = new_keys if prefix is None else torch.cat([prefix[0], new_keys], dim=2)
+    values = new_values if prefix is None else torch.cat([prefix[1], new_values], dim=2)
+    key_positions = torch.arange(num_prefix + num_new, device=query.device)[None, :]
+    query_positions = torch.arange(num_new, device=query.device)[:, None] + num_prefix
+    visible = key_positions <= query_positions  # (T, P + T)
+    if variant.window is not None:  # a query sees the window's last keys, itself included
+        visible &= key_positions > query_positions - variant.window
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
+                                                           enable_gqa=True)
     return out.transpose(1, 2)
