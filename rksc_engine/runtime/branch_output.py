@@ -34,7 +34,8 @@ def append_token(branch: Branch, token: int, logprob: float, params: SamplingPar
     if watched:
         branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
     if params.stop:
-        cut = first_stop(branch.text, params.stop)
+        cut = first_stop(branch.text, params.stop, branch.stop_checked_chars)
+        branch.stop_checked_chars = len(branch.text)
         if cut is not None:
             branch.text = branch.text[:cut]
             branch.finish_reason = "stop"
@@ -104,9 +105,11 @@ def completion(request: Request, branch: Branch) -> Completion:
     )
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index of the earliest stop string in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def first_stop(text: str, stops: tuple[str, ...], checked: int = 0) -> int | None:
+    """Index of the earliest stop string in ``text``, or None. ``text[:checked]`` is known to hold
+    none, so only a stop string ending after it is looked for: a step's check costs what the step
+    added to the text, not the whole text."""
+    hits = [i for i in (text.find(s, max(0, checked - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

@@ -76,6 +76,7 @@ class Branch:
     pending_ids: list[int] = field(default_factory=list)  # for streaming: tokens not yet handed out
     skip_tokens: int = 0  # tokens already handed out before a preemption, not to be handed out again
     text_state: TextState = field(default_factory=TextState)  # how many tokens `text` covers
+    stop_checked_chars: int = 0  # `text[:stop_checked_chars]` holds no stop string
     drafted_tokens: int = 0  # draft tokens proposed for it and verified (``drafted_step``)
     accepted_draft_tokens: int = 0  # of those, the ones it kept: each one a forward it did not need
 
