@@ -81,6 +81,7 @@ from .remote_wire import (
     sampling_body,
     settle,
     status_error,
+    usage_of_choices,
 )
 from .results import Completion, EngineStats, ServerCapabilities, StreamChunk
 from .runtime.handle import (
@@ -507,9 +508,12 @@ class RemoteEngine:
         """Read an answer into ``choices`` (filled as it arrives, so a caller sees what came before an
         error), calling ``on_delta(index, text, logprobs)`` per streamed delta. Returns the usage and
         whether the answer ended with ``data: [DONE]`` (a whole answer counts as ended). A stream
-        without it must have finished every choice: ``transformers serve`` never sends it."""
+        without it must have finished every choice: ``transformers serve`` never sends it. Several
+        usage-only chunks (llama.cpp's server sends one per choice) are one usage
+        (``usage_of_choices``)."""
         url = f"{self.base_url}/{path}"
         usage, ended = None, False
+        usage_chunks: list[dict] = []  # the usage of chunks that carry nothing else
         try:
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 # A server that ignores ``stream`` answers whole.
@@ -531,7 +535,10 @@ class RemoteEngine:
                     event = json.loads(data)
                     if "error" in event:
                         raise RemoteServerError(f"{url}: {error_message(event)}", 0)
-                    usage = event.get("usage") or usage
+                    if event.get("usage"):
+                        usage = event["usage"]
+                        if not event.get("choices"):
+                            usage_chunks.append(event["usage"])
                     for choice in event.get("choices") or []:
                         index = int(choice.get("index", 0))
                         text, logprobs = choices.setdefault(index, AnswerChoice(index)).add(choice, path, delta=True)
@@ -544,6 +551,8 @@ class RemoteEngine:
             raise ConnectionError(f"the answer from {url} broke off: {error}") from error
         if not ended and not (choices and all(c.finish_reason for c in choices.values())):
             raise ConnectionError(f"the stream from {url} ended before 'data: [DONE]' with a choice unfinished")
+        if len(usage_chunks) > 1:
+            usage = usage_of_choices(usage_chunks)
         return usage, ended
 
     def _send(self, method: str, path: str, content: bytes | None, call: _Call | None) -> Any:

@@ -182,6 +182,17 @@ class AnswerChoice:
         return "stop" if params.stop else "eos"
 
 
+def usage_of_choices(usage_chunks: Sequence[dict]) -> dict:
+    """One usage for a stream that ended with several usage-only chunks. OpenAI sends one, for the
+    whole request; llama.cpp's server sends one per choice of a request of ``n``, each counting that
+    choice's generated tokens and the prompt the choices share (computed once, then copied). So the
+    completion tokens add up and the prompt counts once, as the first chunk has it."""
+    usage = dict(usage_chunks[0])
+    usage["completion_tokens"] = sum(int(chunk.get("completion_tokens") or 0) for chunk in usage_chunks)
+    usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
+    return usage
+
+
 def completions_from(choices: dict[int, AnswerChoice], n: int, params: SamplingParams, usage: dict | None) -> list[Completion]:
     usage = usage or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)

@@ -1,7 +1,7 @@
 """Reasoning over a server that misbehaves: a real ``rksc serve`` (the tiny model, in process) behind a
 small loopback proxy that changes its answers on purpose, one fault at a time: it sends no
 log-probs, ignores ``seed``, breaks a stream off, answers fewer choices than ``n``, ends streams
-without ``[DONE]``. Each fault is named: a clear error, or a documented fallback that the result
+without ``[DONE]``, sends a usage per choice (as llama.cpp's server does). Each fault is named: a clear error, or a documented fallback that the result
 says it took (``ServerCapabilities``, ``ReasoningResult.server_limits``).
 
 (``transformers serve`` has several of these faults of its own: ``test_remote_reasoning.py`` runs
@@ -35,10 +35,10 @@ def first_char(text: str) -> str | None:
 
 
 def proxy_app(upstream: str, *, rewrite_request: Callable[[dict], dict] | None = None,
-              rewrite_event: Callable[[dict], dict | None] | None = None,
+              rewrite_event: Callable[[dict], dict | list[dict] | None] | None = None,
               cut_after: Callable[[dict], int | None] | None = None, send_done: bool = True) -> FastAPI:
     """Forward ``/v1`` to ``upstream``, changing the request body (``rewrite_request``), each
-    streamed event (``rewrite_event``; None drops it), ending the stream after the number of events
+    streamed event (``rewrite_event``; None drops it, a list is sent event by event), ending the stream after the number of events
     ``cut_after(body)`` names (no finish, no ``[DONE]``), or leaving out ``[DONE]``."""
     app = FastAPI()
 
@@ -75,12 +75,11 @@ def proxy_app(upstream: str, *, rewrite_request: Callable[[dict], dict] | None =
                     event = json.loads(data)
                     if rewrite_event is not None:
                         event = rewrite_event(event)
-                    if event is None:
-                        continue
-                    if limit is not None and sent >= limit:
-                        return  # the stream just ends: no finish_reason, no [DONE]
-                    sent += 1
-                    yield f"data: {json.dumps(event)}\n\n"
+                    for out in event if isinstance(event, list) else [] if event is None else [event]:
+                        if limit is not None and sent >= limit:
+                            return  # the stream just ends: no finish_reason, no [DONE]
+                        sent += 1
+                        yield f"data: {json.dumps(out)}\n\n"
             finally:
                 await answer.aclose()
                 await client.aclose()
@@ -104,6 +103,18 @@ def without_seed(body: dict) -> dict:
 def first_choice_only(event: dict) -> dict | None:
     event["choices"] = [c for c in event.get("choices") or [] if c.get("index", 0) == 0]
     return event if event["choices"] or event.get("usage") else None
+
+
+def usage_per_choice_of_three(event: dict) -> dict | list[dict]:
+    """llama.cpp's server's way with a request of ``n = 3``: a usage-only chunk per choice, each
+    counting that choice's tokens (here the request's split unevenly in three) and the shared prompt."""
+    usage = event.get("usage")
+    if event.get("choices") or not usage:
+        return event
+    total = usage["completion_tokens"]
+    shares = [1, total - 2, 1]
+    return [{**event, "usage": {**usage, "completion_tokens": share, "total_tokens": usage["prompt_tokens"] + share}}
+            for share in shares]
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +196,19 @@ def test_a_stream_without_done_that_finished_every_choice_is_accepted(engine, up
     with behind(upstream, send_done=False) as remote:
         assert remote.capabilities().done_marker is False
         assert remote.generate(QUESTION, GREEDY).text == engine.generate(QUESTION, GREEDY).text
+
+
+def test_a_server_that_sends_a_usage_per_choice_has_their_tokens_added_up(upstream):
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=3)
+    with behind(upstream) as one_usage:
+        expected = one_usage.generate_branches(QUESTION, 3, params)
+        counted = one_usage.stats()
+    with behind(upstream, rewrite_event=usage_per_choice_of_three) as usage_per_choice:
+        completions = usage_per_choice.generate_branches(QUESTION, 3, params)
+        stats = usage_per_choice.stats()
+    assert [c.text for c in completions] == [c.text for c in expected], "seeded branches: the same tokens"
+    assert counted.decode_tokens >= 3
+    assert stats.decode_tokens == counted.decode_tokens, "the choices' usages were not added up"
+    assert (stats.prompt_tokens_computed + stats.prompt_tokens_reused
+            == counted.prompt_tokens_computed + counted.prompt_tokens_reused), "the shared prompt counts once"
+    assert stats.requests == counted.requests == 1
