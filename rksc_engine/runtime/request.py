@@ -184,7 +184,7 @@ class Request:
     replay: Replay = field(default_factory=Replay)
     # Set when it starts decoding: whether anything reads its branches while they run (a stream, a
     # stop string, a monitor, a logits processor). Unwatched, a branch's text is decoded once, when
-    # it ends, and a greedy request on static rows is advanced with the others in one loop.
+    # it ends, and a greedy one is advanced with the others in one loop.
     watched: bool = True
 
     @property

@@ -423,22 +423,23 @@ class Scheduler:
             if greedy is None or not takes:
                 self._advance_or_fail(request, logits[start:stop])
                 continue
-            if pool is not None and not request.watched:
+            if not request.watched:
                 unwatched.append((request, start))
                 continue
             # Static rows feed their next tokens from the pool; the others keep theirs for the forward.
             next_tokens = None if pool is not None else greedy[0][start:stop]
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
         if unwatched:
-            self._advance_unwatched(unwatched, token_list, logprob_list)
+            self._advance_unwatched(unwatched, token_list, logprob_list, None if pool is not None else greedy[0])
 
-    def _advance_unwatched(self, requests: list[tuple[Request, int]], tokens: list[int], logprobs: list[float]
-                           ) -> None:
-        """Record one step of greedy requests on static rows that nobody watches while they run (each
-        with its first row's index into ``tokens``/``logprobs``): their next tokens are in the pool
-        already, so a step only appends each row's token and checks whether it ended the branch, in
-        one loop for all of them. A request with a row that ended, or a branch to stop, then takes
-        the usual way out (``stop_branches``); the others cost no call of their own."""
+    def _advance_unwatched(self, requests: list[tuple[Request, int]], tokens: list[int], logprobs: list[float],
+                           next_tokens: torch.Tensor | None) -> None:
+        """Record one step of greedy requests that nobody watches while they run (each with its first
+        row's index into ``tokens``/``logprobs``), in one loop for all of them: a step appends each
+        row's token and checks whether it ended the branch. Static rows find their next tokens in the
+        pool; the others take their rows of ``next_tokens`` (the step's argmax, on the device). A
+        request with a row that ended, or a branch to stop, then takes the usual way out
+        (``stop_branches``); the others cost no call of their own."""
         eos = self.runner.eos_token_ids
         ending: list[Request] = []
         recorded = 0
@@ -446,6 +447,8 @@ class Scheduler:
             active = request.active
             if not active or request.status is not RequestStatus.RUNNING:  # failed earlier in this step
                 continue
+            if next_tokens is not None:
+                request.next_tokens = next_tokens[start:start + len(active)]
             branches, max_new = request.branches, request.max_new
             ended = False
             for row, b in enumerate(active):

@@ -400,12 +400,13 @@ def test_a_decode_steps_python_work_barely_grows_with_the_requests_and_stays_nea
     assert calls[16] <= 1.1 * generate, f"{calls[16]:.0f} calls a step against generate's {generate:.0f}"
 
 
-def test_an_unwatched_requests_text_is_decoded_once_when_its_branch_ends(tokenizer):
+@pytest.mark.parametrize("layout", ["static_rows", "shared_prefix"])
+def test_an_unwatched_requests_text_is_decoded_once_when_its_branch_ends(tokenizer, layout):
     """A request nobody reads while it runs (no stream, stop string or monitor) gets the same tokens
     and text as a streamed one, its text decoded once per branch instead of at every step; a branch
-    its caller stops mid-way still ends with the text of its tokens."""
+    its caller stops mid-way still ends with the text of its tokens. On either decode layout."""
     model = make_family_model("llama3")
-    engine = RKSCEngine(model, tokenizer, STATIC)
+    engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention=layout))
     decoder = engine.scheduler.detokenizer
     real, decodes = decoder._decode, []
     decoder._decode = lambda ids: decodes.append(len(ids)) or real(ids)
