@@ -3,7 +3,8 @@
 Greedy exactness against ``transformers`` per decode layout (float32 exact, bfloat16 within
 ``--bf16-tokens``), operator calls and host milliseconds per decode step by rows and layout against
 ``generate`` and the compiled step against the bare compiled forward, and the 8-branch job against
-``generate(num_return_sequences=8)`` and 8 sequential calls (``rksc_bench.gpu_check``). On a CPU,
+``generate(num_return_sequences=8)`` and 8 sequential calls, and that job with drafts from the prompt
+and sibling branches against without (``rksc_bench.gpu_check``). On a CPU,
 ``--quick`` checks on a tiny model that the script runs:
 
     ./dev python benchmarks/gpu_check.py --quick --device cpu --no-lock

@@ -16,7 +16,8 @@
 # It runs benchmarks/gpu_check.py (greedy exactness against transformers on CUDA per decode layout,
 # float32 exact and bfloat16 within a stated tolerance; operator calls and host ms per decode step
 # by rows and layout against generate, and the compiled step against the bare compiled forward;
-# the 8-branch job against generate(num_return_sequences=8) and 8 sequential calls), within
+# the 8-branch job against generate(num_return_sequences=8) and 8 sequential calls; that job and one
+# greedy branch with drafts from the prompt and sibling branches against without), within
 # CHECK_MIN minutes; then, when EARLY_STOP=1, records the early-stop workload as before.
 set -uo pipefail
 OUT=${OUT:-gpu_out}

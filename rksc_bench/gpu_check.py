@@ -13,6 +13,10 @@ go on, so one broken part does not waste the machine's few minutes.
    static step against the model's bare compiled forward over ``transformers``' ``StaticCache``.
 3. **branches**: the 8-branch job (one few-shot prompt, 8 sampled branches) against
    ``generate(num_return_sequences=8)`` and 8 sequential ``generate`` calls.
+4. **drafting**: the same job and one greedy branch of it, decoded with drafts from the prompt and
+   the sibling branches (``SchedulerConfig.draft_tokens``) against without: wall time, accepted
+   draft tokens, and whether every branch's tokens are the ones decoded without drafts (in float32
+   they must be; in bfloat16 a verifying forward's wider shape may turn a near-tie).
 
 On a CPU (``quick``: a tiny model and small sizes) it checks that the check itself runs.
 """
@@ -31,6 +35,7 @@ from rksc_bench.branch_runs import run_hf_batched, run_hf_sequential, run_rksc
 from rksc_bench.families import char_tokenizer, make_family_model
 from rksc_bench.step_overhead import engine_run, generate_run, no_end_of_text, per_step, time_per_step, workload
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
+from rksc_engine.config import SchedulerConfig
 
 LAYOUTS = {
     "shared_prefix": EngineConfig(decode_attention="shared_prefix"),
@@ -180,14 +185,43 @@ def part_branches(options: CheckOptions) -> dict[str, Any]:
             "prompt_tokens": len(input_ids[0]), "branches": n, "max_new_tokens": new_tokens}
 
 
-PARTS = ("exact", "step", "branches")
+def part_drafting(options: CheckOptions) -> dict[str, Any]:
+    dtype = torch.float32 if (options.quick or (options.device or "").startswith("cpu")) else torch.bfloat16
+    model, tokenizer = model_and_tokenizer(options, dtype)
+    n, new_tokens = (4, 8) if options.quick else (8, 128)
+    prompt = "\n\n".join(f"Q: {i} + {i + 2} = ?\nA: {2 * i + 2}" for i in range(40 if not options.quick else 3))
+    jobs = {"sampled": (n, SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.95, seed=0)),
+            "greedy": (1, SamplingParams(max_new_tokens=new_tokens))}
+    out: dict[str, Any] = {}
+    for job, (branches, params) in jobs.items():
+        tokens, cells, walls = {}, {}, {}
+        for k in (0, 2, 4):
+            engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention="shared_prefix",
+                                                               scheduler=SchedulerConfig(draft_tokens=k)))
+            ids = engine.encode(prompt)
+            engine.generate_branches(ids, branches, params)  # warm; the prompt stays cached, so a run is its decode
+            engine.reset_stats()
+            start = time.perf_counter()
+            done = engine.generate_branches(ids, branches, params)
+            walls[k] = time.perf_counter() - start
+            tokens[k] = [c.token_ids for c in done]
+            stats = engine.stats()
+            cells[f"k{k}"] = cell = {"wall_s": round(walls[k], 3), "identical": tokens[k] == tokens[0],
+                                     "drafted": stats.drafted_tokens, "accepted": stats.accepted_draft_tokens}
+            print(f"drafting {job} ({branches} branches) k={k}: {walls[k]:.2f} s ({walls[0] / walls[k]:.2f}x), "
+                  f"accepted {cell['accepted']} of {cell['drafted']}, identical={cell['identical']}", flush=True)
+        out[job] = {"branches": branches, "max_new_tokens": new_tokens, "cells": cells}
+    return out
+
+
+PARTS = ("exact", "step", "branches", "drafting")
 
 
 def run_check(options: CheckOptions, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Run ``parts`` in turn; a part that fails records its traceback and the others still run."""
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     print(f"device: {results['device']}; torch {torch.__version__}", flush=True)
-    run = {"exact": part_exact, "step": part_step, "branches": part_branches}
+    run = {"exact": part_exact, "step": part_step, "branches": part_branches, "drafting": part_drafting}
     for name in parts:
         if name not in run:
             raise ValueError(f"parts must be of {PARTS}, got {name!r}")

@@ -11,7 +11,9 @@ from rksc_bench.gpu_check import CheckOptions, run_check
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_part_on_a_tiny_model():
     results = run_check(CheckOptions(device="cpu", quick=True, rows=(2,)))
-    assert all("error" not in results[part] for part in ("exact", "step", "branches")), results
+    assert all("error" not in results[part] for part in ("exact", "step", "branches", "drafting")), results
     assert all(v["verdict"] == "PASS" for k, v in results["exact"].items() if k.startswith("float32/"))
     assert {c["layout"] for c in results["step"]["cells"]} == {"siblings", "independent"}
     assert set(results["branches"]["rksc_s"]) == {"shared_prefix", "static_rows", "compiled"}
+    for job in ("sampled", "greedy"):  # float32 on a CPU: drafting changes no token
+        assert all(cell["identical"] for cell in results["drafting"][job]["cells"].values()), results["drafting"]
