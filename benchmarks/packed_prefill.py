@@ -43,7 +43,7 @@ def measure(engine: RKSCEngine, prompts: list[list[int]], repeats: int) -> dict:
     """Milliseconds of one packed forward over ``prompts`` each way, the fastest of ``repeats``."""
     packing = engine.scheduler.prefiller.packing
     access = packing.access
-    arms = {"split": packing._split_pass, "masked": packing._masked_pass}
+    arms = {"split": packing.split_pass, "masked": packing.masked_pass}
     best = {arm: float("inf") for arm in arms}
     with engine.exclusive(), torch.inference_mode():
         for round_index in range(repeats + 1):  # round 0 warms up (and runs the shared-prefix probe)

@@ -161,10 +161,10 @@ class PromptPacker:
         to itself alone (``PackedPromptsCache``); otherwise through the model's own attention with a
         block-diagonal mask over the whole row, which costs the square of the pack's length."""
         if self._splits_attention():
-            return self._split_pass(prompts, matches)
-        return self._masked_pass(prompts, matches)
+            return self.split_pass(prompts, matches)
+        return self.masked_pass(prompts, matches)
 
-    def _split_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
+    def split_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
         """``packed_pass`` through ``PackedPromptsCache``: each prompt's attention computed on its own."""
         runner = self.access.runner
         device = runner.device
@@ -180,7 +180,7 @@ class PromptPacker:
                                  **cache.forward_kwargs())
         return self._joined(prompts, matches, [cache.prompt_kv(i) for i in range(len(prompts))], out.logits[0])
 
-    def _masked_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
+    def masked_pass(self, prompts: list[list[int]], matches: list[LockedPrefix]) -> list[Prefilled]:
         """``packed_pass`` through the model's own attention and a block-diagonal mask."""
         runner = self.access.runner
         device, dtype = runner.device, runner.dtype

@@ -71,8 +71,11 @@ class StaticStep:
                 ~sees, masked)[:, None, None, :]
         return made[self.kinds[0]] if len(made) == 1 else made
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, masks: Any,
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  keys: list[torch.Tensor], values: list[torch.Tensor], key_length: int) -> torch.Tensor:
+        # The masks are built here, inside what ``torch.compile`` compiles, so a compiled step runs
+        # them in its kernels rather than as eager operators before it.
+        masks = self.masks(positions, key_length, keys[0].dtype)
         cache = StaticRowsCache(keys, values, positions, key_length)
         out = self.model(input_ids=input_ids, position_ids=positions[:, None], attention_mask=masks,
                          use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
@@ -89,9 +92,8 @@ class StaticStep:
         rows = bucket_rows(top, pool.num_slots) if self.compiled else top
         key_length = pool.key_length()
         positions = pool.lengths[:rows]
-        masks = self.masks(positions, key_length, dtype)
         self.num_steps += 1
-        logits = self._run(next_tokens[:rows, None], positions, masks, pool.keys, pool.values, key_length)
+        logits = self._run(next_tokens[:rows, None], positions, pool.keys, pool.values, key_length)
         return logits[:top] if rows > top else logits
 
 
