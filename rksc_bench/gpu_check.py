@@ -109,8 +109,20 @@ def part_exact(options: CheckOptions) -> dict[str, Any]:
     return out
 
 
+def timing_dtype(options: CheckOptions) -> torch.dtype:
+    """The dtype the timed parts run in: bfloat16 on an accelerator, float32 on a CPU or quick."""
+    return torch.float32 if (options.quick or (options.device or "").startswith("cpu")) else torch.bfloat16
+
+
+def branch_job(options: CheckOptions) -> tuple[int, int, str]:
+    """The branches job of the ``branches`` and ``drafting`` parts: branches, new tokens, the few-shot prompt."""
+    n, new_tokens = (4, 8) if options.quick else (8, 128)
+    prompt = "\n\n".join(f"Q: {i} + {i + 2} = ?\nA: {2 * i + 2}" for i in range(40 if not options.quick else 3))
+    return n, new_tokens, prompt
+
+
 def part_step(options: CheckOptions) -> dict[str, Any]:
-    dtype = torch.float32 if (options.quick or (options.device or "").startswith("cpu")) else torch.bfloat16
+    dtype = timing_dtype(options)
     model, tokenizer = model_and_tokenizer(options, dtype)
     rows_list = [r for r in options.rows if r <= 8] if options.quick else options.rows
     cells = []
@@ -161,10 +173,9 @@ def bare_compiled_forward_ms(model: Any, rows: int) -> float | None:
 
 
 def part_branches(options: CheckOptions) -> dict[str, Any]:
-    dtype = torch.float32 if (options.quick or (options.device or "").startswith("cpu")) else torch.bfloat16
+    dtype = timing_dtype(options)
     model, tokenizer = model_and_tokenizer(options, dtype)
-    n, new_tokens = (4, 8) if options.quick else (8, 128)
-    prompt = "\n\n".join(f"Q: {i} + {i + 2} = ?\nA: {2 * i + 2}" for i in range(40 if not options.quick else 3))
+    n, new_tokens, prompt = branch_job(options)
     out = {}
     for layout, config in LAYOUTS.items():
         engine = RKSCEngine(model, tokenizer, config)
@@ -186,10 +197,9 @@ def part_branches(options: CheckOptions) -> dict[str, Any]:
 
 
 def part_drafting(options: CheckOptions) -> dict[str, Any]:
-    dtype = torch.float32 if (options.quick or (options.device or "").startswith("cpu")) else torch.bfloat16
+    dtype = timing_dtype(options)
     model, tokenizer = model_and_tokenizer(options, dtype)
-    n, new_tokens = (4, 8) if options.quick else (8, 128)
-    prompt = "\n\n".join(f"Q: {i} + {i + 2} = ?\nA: {2 * i + 2}" for i in range(40 if not options.quick else 3))
+    n, new_tokens, prompt = branch_job(options)
     jobs = {"sampled": (n, SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.95, seed=0)),
             "greedy": (1, SamplingParams(max_new_tokens=new_tokens))}
     out: dict[str, Any] = {}

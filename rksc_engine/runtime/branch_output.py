@@ -22,33 +22,28 @@ def append_token(branch: Branch, token: int, logprob: float, params: SamplingPar
     The text is the decode of the tokens before an end of sequence token.
 
     ``watched`` False (a request whose text nobody reads while it runs: no stream, no stop string,
-    no monitor) leaves the text to be decoded once, when the branch ends (``finish_text``)."""
+    no monitor) leaves the text to be decoded once, when the branch ends."""
     branch.token_ids.append(token)
     branch.logprobs.append(logprob)
     if len(branch.token_ids) > branch.skip_tokens:
         branch.pending_ids.append(token)
-    if token in eos_token_ids:
-        branch.finish_reason = "eos"
-        branch.text = detokenizer.whole(branch.text, branch.token_ids[:-1], branch.text_state)
-        return
-    if watched:
-        branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
-    if params.stop:
-        cut = first_stop(branch.text, params.stop, branch.stop_checked_chars)
-        branch.stop_checked_chars = len(branch.text)
-        if cut is not None:
-            branch.text = branch.text[:cut]
-            branch.finish_reason = "stop"
-            return
-    if len(branch.token_ids) >= max_new:
-        branch.finish_reason = "length"
-        branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
+    if token not in eos_token_ids:
+        if watched:
+            branch.text = detokenizer.extend(branch.text, branch.token_ids, branch.text_state)
+        if params.stop:
+            cut = first_stop(branch.text, params.stop, branch.stop_checked_chars)
+            branch.stop_checked_chars = len(branch.text)
+            if cut is not None:
+                branch.text = branch.text[:cut]
+                branch.finish_reason = "stop"
+                return
+    end_if_done(branch, max_new, eos_token_ids, detokenizer)
 
 
 def end_if_done(branch: Branch, max_new: int, eos_token_ids: Collection[int], detokenizer: Detokenizer) -> None:
-    """``append_token``'s ending of an unwatched branch whose latest token was recorded without it:
-    an end of sequence token ends it (``"eos"``), else ``max_new`` tokens do (``"length"``); its
-    text is then made, as ``append_token`` makes it."""
+    """End ``branch`` if its latest token ends it: an end of sequence token (``"eos"``, its text the
+    decode of the tokens before it), else ``max_new`` tokens (``"length"``). ``append_token`` ends a
+    branch this way after its stop strings; the scheduler, for a row recorded without it."""
     token_ids = branch.token_ids
     if token_ids[-1] in eos_token_ids:
         branch.finish_reason = "eos"
@@ -59,10 +54,9 @@ def end_if_done(branch: Branch, max_new: int, eos_token_ids: Collection[int], de
 
 
 def finish_text(branch: Branch, detokenizer: Detokenizer) -> None:
-    """Give ``branch``, which has ended, the text of all its tokens (an ``"eos"`` branch's text, made
-    when it ended, leaves out the end of sequence token and is kept)."""
-    if branch.finish_reason != "eos":
-        branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
+    """Give ``branch``, stopped before its tokens' text was made (an unwatched branch cancelled by
+    its caller), the text of all its tokens."""
+    branch.text = detokenizer.whole(branch.text, branch.token_ids, branch.text_state)
 
 
 def emit(request: Request, branch: Branch) -> None:

@@ -52,8 +52,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._decode = _fastest_decode(tokenizer)
-        self.incremental = _windows_decode_as_whole(tokenizer, self._decode)
+        samples = _sample_ids(tokenizer)  # None: a tokenizer that cannot encode them is not checked
+        self._decode = _fastest_decode(tokenizer, samples)
+        self.incremental = samples is not None and _windows_decode_as_whole(samples, self._decode)
 
     def extend(self, text: str, token_ids: list[int], state: TextState) -> str:
         """The text of ``token_ids`` given ``text``, the text of the tokens ``state`` says it
@@ -83,11 +84,15 @@ def _extend(decode: Any, text: str, token_ids: list[int], state: TextState) -> s
     return text + after[len(before):]
 
 
-def _sample_ids(tokenizer: Any) -> list[list[int]]:
-    return [list(tokenizer(sample, add_special_tokens=False)["input_ids"]) for sample in _SAMPLES]
+def _sample_ids(tokenizer: Any) -> list[list[int]] | None:
+    """The sample texts' token ids, or None when the tokenizer cannot encode them."""
+    try:
+        return [list(tokenizer(sample, add_special_tokens=False)["input_ids"]) for sample in _SAMPLES]
+    except Exception:  # noqa: BLE001 - the checks that need them then choose the plain way
+        return None
 
 
-def _fastest_decode(tokenizer: Any) -> Callable[[list[int]], str]:
+def _fastest_decode(tokenizer: Any, samples: list[list[int]] | None) -> Callable[[list[int]], str]:
     """``tokenizer.decode(ids, skip_special_tokens=True)``, or the Rust tokenizer's own decode when
     it gives the same text on every prefix of the sample texts: it skips the Python wrapper's
     per-token conversions, which cost more than the decode itself for a few tokens."""
@@ -95,24 +100,24 @@ def _fastest_decode(tokenizer: Any) -> Callable[[list[int]], str]:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer of a fast tokenizer
-    if backend is None or not hasattr(backend, "decode"):
+    if backend is None or not hasattr(backend, "decode") or samples is None:
         return decode
     try:
         vocab = len(tokenizer)
-        samples = [*_sample_ids(tokenizer), list(range(min(vocab, 512))), [vocab - 1, 0, vocab // 2]]
+        checked = [*samples, list(range(min(vocab, 512))), [vocab - 1, 0, vocab // 2]]
         if all(backend.decode(ids[:end], skip_special_tokens=True) == decode(ids[:end])
-               for ids in samples for end in range(len(ids) + 1)):
+               for ids in checked for end in range(len(ids) + 1)):
             return lambda ids: backend.decode(ids, skip_special_tokens=True)
     except Exception:  # noqa: BLE001 - a backend we cannot check is not used
         pass
     return decode
 
 
-def _windows_decode_as_whole(tokenizer: Any, decode: Callable[[list[int]], str]) -> bool:
+def _windows_decode_as_whole(samples: list[list[int]], decode: Callable[[list[int]], str]) -> bool:
     """Whether growing a text a token at a time (``_extend``) gives the whole decode at every token
-    of the sample texts, except while a character is still incomplete."""
+    of the sample texts (``samples``, their ids), except while a character is still incomplete."""
     try:
-        for ids in _sample_ids(tokenizer):
+        for ids in samples:
             text, state = "", TextState()
             for end in range(1, len(ids) + 1):
                 text = _extend(decode, text, ids[:end], state)

@@ -191,7 +191,7 @@ class ModelRunner:
         else:
             products = contextlib.nullcontext()
         with products:
-            return self.run_with_oom_retry(lambda: step.logits(pool, pool.next_tokens, self.dtype), None)
+            return self.run_with_oom_retry(lambda: step.logits(pool, pool.next_tokens), None)
 
     def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final

@@ -55,7 +55,7 @@ import torch
 
 from ..config import SamplingParams, SchedulerConfig
 from ..kvcache.shared_prefix import SharedPrefixCache
-from ..kvcache.static_rows import StaticRowPool, StaticRows
+from ..kvcache.static_rows import StaticRowPool
 from ..results import EngineStats
 from .admission import Admission
 from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
@@ -333,7 +333,7 @@ class Scheduler:
                 self.fail(request, RequestCancelled(f"request {request.request_id} was cancelled"))
         drained: set[int] = set()
         for request in requests.decoding():
-            head = request.owner or request
+            head = request.head
             if not head.channel.asks_to_stop and not head.branching.pending_stop:
                 continue  # nothing to do for it: the usual case, kept to attribute reads
             if request.status is not RequestStatus.RUNNING:  # ended with another member of its request
@@ -362,9 +362,7 @@ class Scheduler:
         running = self.requests.decoding()  # waves added during this decode take their next token next step
         batched, static, alone = [], [], []
         for request in running:  # by the cache each decodes in
-            cache = request.cache
-            (static if isinstance(cache, StaticRows) else batched if isinstance(cache, SharedPrefixCache)
-             else alone).append(request)
+            (static if request.static else batched if request.shared else alone).append(request)
         config = self._config
         plans = plan_step(batched, config.draft_tokens, config.draft_sources) if config.draft_tokens and batched else None
         mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
@@ -745,9 +743,10 @@ class Scheduler:
             except Exception:  # caching is an optimisation: the request's answer stands without it
                 logger.exception("could not cache the KV of request %d's answer", request.request_id)
         self.kv.release(request)
-        if not request.watched:
-            for branch in request.branches:  # its text was left to be made now (a stopped branch's)
-                finish_text(branch, self.detokenizer)
+        if not request.watched:  # a branch that ended by eos or length has its text; a stopped one not yet
+            for branch in request.branches:
+                if branch.finish_reason == "cancelled":
+                    finish_text(branch, self.detokenizer)
         completions = [completion(request, b) for b in request.branches]
         self.runner.request_finished()
         self.requests.move(request, RequestStatus.FINISHED)

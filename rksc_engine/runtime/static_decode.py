@@ -82,7 +82,7 @@ class StaticStep:
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def logits(self, pool: StaticRowPool, next_tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def logits(self, pool: StaticRowPool, next_tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of the rows ``[0, pool.top)``: feeds ``next_tokens[:top]`` at each row's
         position, writes their KV into the pool, and returns the next-token logits (top, V). The
         pool's lengths are the caller's to advance (``StaticRowPool.advance``)."""
@@ -138,7 +138,7 @@ def probe_static_rows(model: Any, step: StaticStep, forward: Any, tolerance: Any
                 rows = pool.rows(1)
                 pool.write_prompt(rows.slots, kv)
                 pool.next_tokens[rows.slots[0]] = min(7, vocab - 1)
-            got = step.logits(pool, pool.next_tokens, dtype).float()
+            got = step.logits(pool, pool.next_tokens).float()
     except Exception as error:  # noqa: BLE001 - any failure means: do not decode this model this way
         return False, f"static-rows probe failed: {type(error).__name__}: {error}"
     for row, want in enumerate(wants):

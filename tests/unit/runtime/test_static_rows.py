@@ -112,7 +112,7 @@ def _static_greedy(model, prompts: list[torch.Tensor], steps: int, finish_first_
                 handles[0].release()
                 live.remove(0)
                 pool.compact()
-            logits = step.logits(pool, pool.next_tokens, torch.float32)
+            logits = step.logits(pool, pool.next_tokens)
             tokens = logits.argmax(-1)
             slots = [handles[i].slots[0] for i in live]
             mask = torch.zeros(pool.top, dtype=torch.long)
@@ -154,7 +154,7 @@ def test_static_step_operator_calls_do_not_grow_with_the_requests():
             pool.write_prompt(handle.slots, kv)
         counter = OperatorCounter()
         with counter:
-            step.logits(pool, pool.next_tokens, torch.float32)
+            step.logits(pool, pool.next_tokens)
         counts[rows] = counter.calls
     assert counts[16] == counts[2], f"a step of 16 requests made {counts[16]} operator calls, of 2 {counts[2]}"
 
@@ -191,8 +191,8 @@ def test_a_step_padded_to_its_row_bucket_gives_the_live_rows_the_unpadded_logits
         return pool
 
     a, b = pool_of(3), pool_of(3)
-    got = padded.logits(a, a.next_tokens, torch.float32)
-    want = plain.logits(b, b.next_tokens, torch.float32)
+    got = padded.logits(a, a.next_tokens)
+    want = plain.logits(b, b.next_tokens)
     assert got.shape == want.shape == (3, config.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert a.lengths[3] == 0, "the padded row holds no token"
