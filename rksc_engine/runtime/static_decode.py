@@ -18,6 +18,7 @@ Callers hold the engine lock.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ class StaticStep:
         self.kinds = sorted(kinds)
         self.window = int(sliding_window) if SLIDING_ATTENTION in kinds else None
         self.compiled = compiled
-        self._run = torch.compile(self._forward, dynamic=None) if compiled else self._forward
+        self._run = _compiled_method(self, "_forward") if compiled else self._forward
         self.num_steps = 0
 
     def masks(self, positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> Any:
@@ -95,6 +96,21 @@ class StaticStep:
         self.num_steps += 1
         logits = self._run(next_tokens[:rows, None], positions, pool.keys, pool.values, key_length)
         return logits[:top] if rows > top else logits
+
+
+def _compiled_method(owner: Any, name: str) -> Any:
+    """``torch.compile`` of ``owner.name`` with a compile cache of its own.
+
+    Dynamo keeps its graphs, and counts its recompiles against ``recompile_limit``, per code object.
+    Every step would share ``StaticStep._forward``'s: a second model in the process (a second engine,
+    a benchmark's next family) adds its graphs to the first's, and once the shared count passes the
+    limit (8) dynamo silently runs each step eagerly. A copy of the code object per step keeps each
+    step's graphs its own, freed with it; one step builds a few (dynamo turns the rows and the key
+    length symbolic once it sees them change)."""
+    function = getattr(type(owner), name)
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    return torch.compile(types.MethodType(own, owner), dynamic=None)
 
 
 def bucket_rows(top: int, num_slots: int) -> int:

@@ -451,3 +451,35 @@ def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tok
     for (prompt, _, params), tokens in zip(work[:3], got["compiled"][:3]):
         assert tokens[0] == engine_hf_greedy(compiled, prompt, params.max_new_tokens)
     assert compiled.runner.static_step.compiled and compiled.runner.static_step.num_steps > 0
+
+
+def test_compiled_steps_of_two_models_keep_their_graphs_apart():
+    """Dynamo counts its graphs per code object and, past its recompile limit (8), runs a step
+    eagerly without a word: two models' compiled steps must not share one code object's graphs, or
+    a process that builds a few engines (a benchmark's families, a test session) loses the compiler."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    prompts = [torch.tensor([[5, 9, 3]]), torch.tensor([[4, 8, 2, 7, 6]])]
+
+    def graphs(step: StaticStep) -> int:
+        return len(_debug_get_cache_entry_list(step._run._torchdynamo_orig_callable.__func__.__code__))
+
+    steps = {}
+    for family in ("llama3", "qwen2.5"):
+        model = make_family_model(family)
+        config = model.config
+        step = StaticStep(model, "cache", layer_types(config), None, compiled=True)
+        pool = StaticRowPool(torch.device("cpu"), torch.float32)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        pool.reserve(2, 16, [(config.num_key_value_heads, head_dim)] * config.num_hidden_layers)
+        for prompt in prompts:
+            kept = new_kv_cache(config)
+            with torch.inference_mode():
+                model(input_ids=prompt, past_key_values=kept, use_cache=True)
+            handle = pool.rows(1)
+            pool.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
+            pool.next_tokens[handle.slots[0]] = 11
+        step.logits(pool, pool.next_tokens)
+        steps[family] = step
+    assert graphs(steps["llama3"]) == 1, "the second model's step added its graph to the first's"
+    assert graphs(steps["qwen2.5"]) == 1
