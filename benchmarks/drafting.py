@@ -52,8 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_max_new_tokens(160)
     parser.add_seed()
     parser.add_repeats(3)
+    parser.add_argument("--layouts", default="shared_prefix",
+                        help="comma-separated decode layouts (EngineConfig.decode_attention), of "
+                             f"{list(LAYOUTS)}; each has its arm without drafting (default shared_prefix)")
     parser.add_threads()
     args = parser.parse_args(argv)
+    args.layouts = args.layouts.split(",")
+    if any(layout not in LAYOUTS for layout in args.layouts):
+        parser.error(f"--layouts must name layouts of {list(LAYOUTS)}, got {args.layouts}")
     args.sources = args.sources.split(",")
     unknown = [s for s in args.sources if s not in SOURCE_SETS]
     if unknown:
@@ -62,12 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def arm_configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
-    """The arms: ``off``, then ``k<k>-<sources>`` for every draft length and source set."""
-    arms = {"off": EngineConfig()}
-    for k in args.ks:
-        for name in args.sources:
-            arms[f"k{k}-{name}"] = EngineConfig(scheduler=SchedulerConfig(draft_tokens=k,
-                                                                          draft_sources=SOURCE_SETS[name]))
+    """The arms, per decode layout: ``off``, then ``k<k>-<sources>`` for every draft length and
+    source set (named with the layout, ``static`` for static rows, after the first layout's)."""
+    arms = {}
+    for layout in args.layouts:
+        suffix = "" if layout == args.layouts[0] else f" {LAYOUTS[layout]}"
+        arms[f"off{suffix}"] = EngineConfig(decode_attention=layout)
+        for k in args.ks:
+            for name in args.sources:
+                arms[f"k{k}-{name}{suffix}"] = EngineConfig(
+                    decode_attention=layout, scheduler=SchedulerConfig(draft_tokens=k, draft_sources=SOURCE_SETS[name]))
     return arms
 
 
@@ -76,6 +86,10 @@ def counters(engine: RKSCEngine) -> dict[str, float]:
     found: dict[str, float] = {name: getattr(stats, name) for name in COUNTERS}
     found.update({name: value for name, value in stats.extra.items() if "draft" in name})
     return found
+
+
+# The decode layouts that draft, and what an arm's name calls them.
+LAYOUTS = {"shared_prefix": "shared", "static_rows": "static"}
 
 
 def measure(label: str, engine: RKSCEngine, prompt: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,15 +121,17 @@ def measure(label: str, engine: RKSCEngine, prompt: Any, args: argparse.Namespac
         cells.append(cell)
     off = next(c for c in cells if c["arm"] == "off")
     for cell in cells:
+        own_off = next(c for c in cells if c["arm"] == ("off " + cell["arm"].split(" ", 1)[1] if " " in cell["arm"] else "off"))
         cell["speedup"] = cell["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+        cell["speedup_in_layout"] = cell["decode_tokens_per_s"] / own_off["decode_tokens_per_s"]
         print(format_cell(cell), flush=True)
     return {"workload": label, "cells": cells}
 
 
 def format_cell(cell: dict[str, Any]) -> str:
     acceptance = "    -" if cell["acceptance"] is None else f"{cell['acceptance']:5.1%}"
-    return (f"{cell['workload']:>16} {cell['arm']:>14}: {cell['decode_tokens_per_s']:8.1f} tok/s "
-            f"({cell['speedup']:.2f}x) identical={cell['identical']!s:>5} | accepted {acceptance} of "
+    return (f"{cell['workload']:>16} {cell['arm']:>21}: {cell['decode_tokens_per_s']:8.1f} tok/s "
+            f"({cell['speedup']:.2f}x, {cell['speedup_in_layout']:.2f}x its layout's off) identical={cell['identical']!s:>5} | accepted {acceptance} of "
             f"{cell['drafted_tokens']:5.0f} drafted | {cell['draft_forwards']:4.0f} verifying forwards, "
             f"{cell['draft_steps_saved']:4.0f} forwards saved")
 

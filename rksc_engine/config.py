@@ -443,8 +443,10 @@ class SchedulerConfig:
             as the other rows, keeping those the branch would have chosen itself. Tokens are the same
             as without drafting (greedy and seeded sampling alike); the bits of the logits may
             differ, as with ``packed_prefill``. 0 (default) never drafts; at most
-            ``MAX_DRAFT_TOKENS``. Only the ``shared_prefix`` decode layout drafts: with
-            ``decode_attention`` ``"static_rows"`` or ``"dynamic_cache"`` a value above 0 is refused.
+            ``MAX_DRAFT_TOKENS``. The ``shared_prefix`` layout drafts for a request of one row (a
+            drafting request's branches decode as one-row members), ``static_rows`` for every row
+            (each keeps its own length; its drafted steps run eagerly, ``decode_capture`` or not);
+            with ``decode_attention="dynamic_cache"`` a value above 0 is refused.
         draft_sources: Where drafts come from, tried in this order: ``"prompt"`` (the branch's own
             prompt and the tokens it has generated, as prompt lookup decoding does) and
             ``"siblings"`` (the tokens the other branches of the same request have generated).
@@ -569,7 +571,6 @@ class EngineConfig:
             elif self.decode_attention != "static_rows":
                 raise ValueError(f"decode_capture={self.decode_capture!r} needs decode_attention='static_rows' "
                                  f"(or 'auto'), got {self.decode_attention!r}")
-        if self.scheduler.draft_tokens and self.decode_attention in ("static_rows", "dynamic_cache"):
-            raise ValueError(f"scheduler.draft_tokens={self.scheduler.draft_tokens} needs the shared-prefix decode "
-                             f"layout (decode_attention 'auto' or 'shared_prefix'), got "
-                             f"decode_attention={self.decode_attention!r}")
+        if self.scheduler.draft_tokens and self.decode_attention == "dynamic_cache":
+            raise ValueError(f"scheduler.draft_tokens={self.scheduler.draft_tokens} needs the shared-prefix or "
+                             f"static-rows decode layout, got decode_attention={self.decode_attention!r}")

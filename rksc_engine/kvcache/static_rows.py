@@ -194,6 +194,14 @@ class StaticRowPool:
         for slot in slots:
             self._lengths[slot] += 1
 
+    def advance_by(self, slots: Sequence[int], amounts: Sequence[int]) -> None:
+        """After a drafted step: slot ``slots[i]`` holds ``amounts[i]`` more tokens (what it wrote
+        past them is garbage no mask shows, and the next step writes over it)."""
+        for slot, amount in zip(slots, amounts):
+            self._lengths[slot] += amount
+        self.lengths.index_add_(0, torch.tensor(list(slots), device=self.device),
+                                torch.tensor(list(amounts), dtype=self.lengths.dtype, device=self.device))
+
     def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Forget what ``slots`` hold past ``lengths`` (a step that failed part-way is undone)."""
         for slot, length in zip(slots, lengths):
@@ -227,10 +235,11 @@ class StaticRowPool:
             moved += 1
         return moved
 
-    def key_length(self) -> int:
-        """The key length a step over ``[0, top)`` attends: the longest row after this step's
-        token, rounded up to ``KEY_LENGTH_STEP`` (at most the capacity)."""
-        return min(self.capacity, round_up(self.max_length() + 1, KEY_LENGTH_STEP))
+    def key_length(self, width: int = 1) -> int:
+        """The key length a step of ``width`` positions a row over ``[0, top)`` attends: the
+        longest row after this step's tokens, rounded up to ``KEY_LENGTH_STEP`` (at most the
+        capacity)."""
+        return min(self.capacity, round_up(self.max_length() + width, KEY_LENGTH_STEP))
 
 
 class StaticRows:
@@ -276,7 +285,7 @@ class StaticRowsCache(Cache):
 
     Args:
         keys, values: The pool's buffers, per layer (slots, H_kv, capacity, D).
-        positions: (top,) where each row's new token goes.
+        positions: (top, T) where each row's new tokens go (T is 1 but in a drafted step).
         key_length: Keys each row's buffer is cut at (past every row's new token).
     """
 
@@ -290,11 +299,11 @@ class StaticRowsCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = key_states.shape[0]
+        rows, width = key_states.shape[0], key_states.shape[2]
         keys = self.keys[layer_idx][:rows]
         values = self.values[layer_idx][:rows]
-        # (rows, H_kv, 1, D): each row's new token at its own position along the key axis.
-        index = self.positions.view(rows, 1, 1, 1).expand(rows, keys.shape[1], 1, keys.shape[3])
+        # (rows, H_kv, T, D): each row's new tokens at their own positions along the key axis.
+        index = self.positions.view(rows, 1, width, 1).expand(rows, keys.shape[1], width, keys.shape[3])
         keys.scatter_(2, index, key_states.to(keys.dtype))
         values.scatter_(2, index, value_states.to(values.dtype))
         return keys[:, :, :self.key_length], values[:, :, :self.key_length]

@@ -42,13 +42,11 @@ def forward_rows(runner: ModelRunner, requests: Sequence[Request]) -> tuple[torc
     return out.logits[:, -1, :], cache.row_ranges
 
 
-def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, requests: Sequence[Request]
-                        ) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
-    """The running rows of ``requests`` (each ``cache`` a ``StaticRows`` of ``pool``) one token
-    further, in one forward over the pool's rows ``[0, top)``. A request's next tokens are in the
-    pool already (the step before wrote them there), or in its ``next_tokens`` (its first step, a
-    sampled request), which are written in first. Returns the next-token logits (rows, V) in the
-    requests' order, each request's rows in them, and each row's slot (rows,)."""
+def static_row_order(pool: StaticRowPool, requests: Sequence[Request]) -> tuple[list[int], list[tuple[int, int]], torch.Tensor]:
+    """The running rows of ``requests`` (each ``cache`` a ``StaticRows`` of ``pool``), before a step
+    over them: each row's slot in the requests' order (a list and a tensor) and each request's rows
+    in it. A request's next tokens are in the pool already (the step before wrote them there), or in
+    its ``next_tokens`` (its first step, a sampled request), which are written in now."""
     order: list[int] = []
     row_ranges = []
     pending: list[Request] = []
@@ -58,18 +56,23 @@ def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, requests: Sequ
         order += slots
         if request.next_tokens is not None:
             pending.append(request)
-    slots = torch.tensor(order, device=pool.device)
     if pending:
         pending_slots = torch.tensor([s for r in pending for s in r.cache.slots], device=pool.device)
         pool.next_tokens.index_copy_(0, pending_slots, torch.cat([r.next_tokens for r in pending]))
         for request in pending:
             request.next_tokens = None
+    return order, row_ranges, torch.tensor(order, device=pool.device)
+
+
+def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, order: list[int], slots: torch.Tensor) -> torch.Tensor:
+    """The rows ``order`` (``static_row_order``) one token further, in one forward over the pool's
+    rows ``[0, top)``; returns their next-token logits (rows, V) in that order."""
     logits = runner.decode_static(pool)  # (top, V)
     live = torch.zeros(pool.top, dtype=torch.long, device=pool.device).index_fill_(0, slots, 1)
     pool.advance(live, order)
     if order != list(range(pool.top)):  # rows in another order than their slots
         logits = logits.index_select(0, slots)
-    return logits, row_ranges, slots
+    return logits
 
 
 def suffix_lengths(requests: Sequence[Request]) -> list[int]:

@@ -31,6 +31,7 @@ import torch
 from ..config import SamplingParams
 from ..kvcache.batch_decode import BatchDecodeCache
 from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
+from ..kvcache.static_rows import StaticRowPool
 from .drafts import Draft, DraftIndex
 from .model_runner import ModelRunner
 from .request import Request
@@ -63,6 +64,22 @@ def may_draft(request: Request) -> bool:
     return request.logits_processor is None and request.head.branching.monitor is None
 
 
+def propose_drafts(request: Request, draft_tokens: int, sources: Sequence[str]) -> list[Draft | None]:
+    """A draft (or None) for each of ``request``'s running rows, from its head's index caught up
+    with every branch's tokens. A draft may not run past its branch's budget: the branch's last
+    token is the one chosen after the draft."""
+    head = request.head
+    if head.draft_index is None:
+        head.draft_index = DraftIndex(head.prompt_ids)
+    head.draft_index.catch_up((b.index, b.token_ids) for b in head.branches)
+    drafts = []
+    for b in request.active:
+        branch = request.branches[b]
+        limit = min(draft_tokens, request.max_new - len(branch.token_ids) - 1)
+        drafts.append(head.draft_index.propose(branch.index, branch.token_ids, limit, sources))
+    return drafts
+
+
 def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[str]) -> list[StepInputs] | None:
     """Each of ``requests``' inputs to a drafted step, drafts proposed now for the rows of the
     requests that may draft and decode one row (``may_draft``); None when no row has a draft (an
@@ -75,15 +92,27 @@ def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[
         if rows != 1 or not may_draft(request):
             plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
             continue
-        head, branch = request.head, request.branches[request.active[0]]
-        if head.draft_index is None:
-            head.draft_index = DraftIndex(head.prompt_ids)
-        head.draft_index.catch_up((b.index, b.token_ids) for b in head.branches)
-        # The draft may not run past the branch's budget: its last token is the one after the draft.
-        limit = min(draft_tokens, request.max_new - len(branch.token_ids) - 1)
-        draft = head.draft_index.propose(branch.index, branch.token_ids, limit, sources)
-        drafted = drafted or draft is not None
-        plans.append(StepInputs([[ids[0], *(draft.tokens if draft is not None else ())]], [draft], True))
+        drafts = propose_drafts(request, draft_tokens, sources)
+        drafted = drafted or drafts[0] is not None
+        plans.append(StepInputs([[ids[0], *(drafts[0].tokens if drafts[0] is not None else ())]], drafts, True))
+    return plans if drafted else None
+
+
+def plan_static_step(requests: Sequence[Request], next_ids: Sequence[int], draft_tokens: int,
+                     sources: Sequence[str]) -> list[StepInputs] | None:
+    """``plan_step`` for requests on static rows, whose rows each keep their own length, so every
+    row of a request that may draft drafts (no row waits for a sibling). ``next_ids``: the rows'
+    next tokens, in the requests' order."""
+    plans, start, drafted = [], 0, False
+    for request in requests:
+        rows = len(request.active)
+        ids, start = list(next_ids[start:start + rows]), start + rows
+        if not may_draft(request):
+            plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
+            continue
+        drafts = propose_drafts(request, draft_tokens, sources)
+        drafted = drafted or any(d is not None for d in drafts)
+        plans.append(StepInputs([[t, *(d.tokens if d is not None else ())] for t, d in zip(ids, drafts)], drafts, True))
     return plans if drafted else None
 
 
@@ -103,6 +132,23 @@ def forward_drafted(runner: ModelRunner, requests: Sequence[Request], plans: Seq
     with attention_implementation(runner.model, ATTENTION_NAME):
         out = runner.decode_forward(input_ids, cache, position_ids=positions, **cache.forward_kwargs())
     return out.logits, cache.row_ranges
+
+
+def forward_static_drafted(runner: ModelRunner, pool: StaticRowPool, order: list[int], slots: torch.Tensor,
+                           plans: Sequence[StepInputs], next_ids: Sequence[int]) -> torch.Tensor:
+    """The static rows ``order`` (``batch_forward.static_row_order``) over their ``plans``'
+    positions in one forward of the pool's rows ``[0, top)``, each padded to the widest with its last
+    input; a row of ``[0, top)`` outside ``order`` feeds its next token (``next_ids``, per slot)
+    and keeps nothing. Returns the logits (rows, T, V) in ``order``; the pool's lengths are the
+    caller's to advance by what each row keeps."""
+    width = max(plan.width for plan in plans)
+    inputs = [[token] * width for token in next_ids[:pool.top]]
+    for slot, row in zip(order, (row for plan in plans for row in plan.rows)):
+        inputs[slot] = row + [row[-1]] * (width - len(row))
+    logits = runner.decode_static_drafted(pool, torch.tensor(inputs, device=pool.device))  # (top, T, V)
+    if order != list(range(pool.top)):
+        logits = logits.index_select(0, slots)
+    return logits
 
 
 def verify(logits: torch.Tensor, plan: StepInputs, params: SamplingParams, generators: list[torch.Generator]

@@ -193,6 +193,14 @@ class ModelRunner:
         with products:
             return self.run_with_oom_retry(lambda: step.logits(pool, pool.next_tokens), None)
 
+    def decode_static_drafted(self, pool: StaticRowPool, inputs: torch.Tensor) -> torch.Tensor:
+        """One drafted step of ``pool``'s rows ``[0, top)`` over ``inputs`` (top, T)
+        (``StaticStep.drafted_logits``), with ``decode_static``'s retry; returns (top, T, V)."""
+        step = self.static_step
+        if step is None:
+            raise RuntimeError("decode_static_drafted before decode_layout() chose static rows")
+        return self.run_with_oom_retry(lambda: step.drafted_logits(pool, inputs), None)
+
     def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final
         hidden states (B, T, hidden), with the same out-of-memory roll-back and retry."""

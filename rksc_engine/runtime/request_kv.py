@@ -84,12 +84,13 @@ class RequestKV:
         pool.write_prompt(rows.slots, kv)
         return rows
 
-    def make_room(self) -> None:
-        """Before a static-rows step: room for one more token in every row, and no holes below the
-        highest row (``StaticRowPool.compact``), so the step runs no row that is not decoding."""
+    def make_room(self, width: int = 1) -> None:
+        """Before a static-rows step: room for ``width`` more tokens in every row (a drafted step
+        writes its draft's positions too), and no holes below the highest row
+        (``StaticRowPool.compact``), so the step runs no row that is not decoding."""
         pool = self.static_pool
         pool.compact()
-        needed = pool.max_length() + 1
+        needed = pool.max_length() + width
         if needed > pool.capacity:
             pool.reserve(pool.top, max(needed, 2 * pool.capacity))
 

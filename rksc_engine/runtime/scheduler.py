@@ -58,11 +58,13 @@ from ..kvcache.shared_prefix import SharedPrefixCache
 from ..kvcache.static_rows import StaticRowPool
 from ..results import EngineStats
 from .admission import Admission
-from .batch_forward import forward_rows, forward_static_rows, roll_back, suffix_lengths
+from .batch_forward import forward_rows, forward_static_rows, roll_back, static_row_order, suffix_lengths
 from .branch_output import append_token, completion, emit, end_if_done, finish_text
 from .cpu_threads import release_openmp_workers
 from .detokenize import Detokenizer
-from .drafted_step import StepInputs, forward_drafted, may_draft, plan_step, verify
+from .drafted_step import (StepInputs, forward_drafted, forward_static_drafted, may_draft, plan_static_step, plan_step,
+                           verify)
+from .drafts import Draft
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
 from .model_runner import DecodeLayout, ModelRunner, ran_out_of_memory
@@ -382,13 +384,7 @@ class Scheduler:
             self._count_forward(batched)
             self._advance_rows(batched, *stepped)
         if static:
-            try:
-                self.kv.make_room()
-                logits, row_ranges, slots = forward_static_rows(runner, self.kv.static_pool, static)
-            except Exception as error:
-                self._decode_failed(error, running, static)
-            else:
-                self._advance_rows(static, logits, row_ranges, self.kv.static_pool, slots)
+            self._decode_static(running, static)
         for request in alone:  # a model the shared-prefix path does not support: one forward each
             if request.head.channel.finished or not request.active:
                 continue
@@ -403,6 +399,84 @@ class Scheduler:
                 self.admission.start_prefilled(pack, prefilled)
             else:
                 self.admission.prefill_pack(pack)
+
+    def _decode_static(self, running: list[Request], static: list[Request]) -> None:
+        """The rows of ``static`` (requests on static rows) one step further: a drafted step
+        (``drafted_step.plan_static_step``) when drafting is on and a row has a draft, else an
+        ordinary one."""
+        pool, config = self.kv.static_pool, self._config
+        try:
+            self.kv.make_room(config.draft_tokens + 1)
+            order, row_ranges, slots = static_row_order(pool, static)
+            plans = None
+            if config.draft_tokens:
+                next_ids = pool.next_tokens[:pool.top].tolist()
+                plans = plan_static_step(static, [next_ids[s] for s in order], config.draft_tokens,
+                                         config.draft_sources)
+            if plans is None:
+                logits = forward_static_rows(self.runner, pool, order, slots)
+            else:
+                logits = forward_static_drafted(self.runner, pool, order, slots, plans, next_ids)
+        except Exception as error:
+            self._decode_failed(error, running, static)
+            return
+        self._count_forward(static)
+        if plans is None:
+            self._advance_rows(static, logits, row_ranges, pool, slots)
+            return
+        self.counters.count("draft_forwards")
+        for request, plan, (start, stop) in zip(static, plans, row_ranges):
+            if plan.verifies:
+                self._run_guarded(request, lambda r=request, p=plan, s=start, e=stop:
+                                  self._advance_static_verified(r, logits[s:e], p))
+            else:  # its rows' tokens from their first position, as in an ordinary step
+                pool.advance_by(request.cache.slots, [1] * len(request.cache.slots))
+                self._advance_or_fail(request, logits[start:stop, 0])
+
+    def _advance_static_verified(self, request: Request, logits: torch.Tensor, plan: StepInputs) -> bool:
+        """Advance ``request`` (on static rows) by what each of its rows verified in a drafted step
+        (``drafted_step.verify``): record and stream each row's tokens, keep in its slot the KV of
+        its known token and the draft tokens it accepted, retire the rows that finished.
+        ``logits``: (R, T, V). Returns whether it still has rows."""
+        params, counters, pool = request.params, self.counters, self.kv.static_pool
+        generators = [request.generators[b] for b in request.active] if request.generators else []
+        taken = verify(logits, plan, params, generators)
+        kept, appended_all = [], 0
+        for b, draft, (tokens, logprobs) in zip(request.active, plan.drafts, taken):
+            branch = request.branches[b]
+            appended = 0
+            for token, logprob in zip(tokens, logprobs):
+                append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids,
+                             self.detokenizer)
+                appended += 1
+                if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
+                    break
+            accepted = min(appended, len(tokens) - 1)
+            appended_all += appended
+            kept.append(1 + accepted)  # its next token's KV and the accepted draft's
+            self._count_draft(branch, draft, accepted)
+            if request.stream:
+                emit(request, branch)
+        counters.count("decode_tokens", appended_all)
+        slots = request.cache.slots
+        pool.advance_by(slots, kept)
+        pool.next_tokens.index_copy_(0, torch.tensor(slots, device=pool.device),
+                                     torch.tensor([tokens[-1] for tokens, _ in taken], device=pool.device))
+        if not stop_branches(request, counters, self.runner.device):
+            self._member_done(request)
+            return False
+        return True
+
+    def _count_draft(self, branch: Branch, draft: Draft | None, accepted: int) -> None:
+        """Count what ``branch``'s ``draft`` (if it had one) proposed and how much of it it kept."""
+        if draft is None:
+            return
+        branch.drafted_tokens += len(draft.tokens)
+        branch.accepted_draft_tokens += accepted
+        for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
+                             ("rejected_draft_tokens", len(draft.tokens) - accepted)):
+            self.counters.count(name, amount)
+            self.counters.count(f"{name}_{draft.source}", amount)
 
     def _advance_rows(self, requests: list[Request], logits: torch.Tensor, row_ranges: list[tuple[int, int]],
                       pool: StaticRowPool | None = None, slots: torch.Tensor | None = None) -> None:
@@ -512,13 +586,7 @@ class Scheduler:
                 break
         accepted = min(appended, len(tokens) - 1)
         counters.count("decode_tokens", appended)
-        if draft is not None:
-            branch.drafted_tokens += len(draft.tokens)
-            branch.accepted_draft_tokens += accepted
-            for name, amount in (("drafted_tokens", len(draft.tokens)), ("accepted_draft_tokens", accepted),
-                                 ("rejected_draft_tokens", len(draft.tokens) - accepted)):
-                counters.count(name, amount)
-                counters.count(f"{name}_{draft.source}", amount)
+        self._count_draft(branch, draft, accepted)
         roll_back([request], [length + 1 + accepted])  # its next token's KV and the accepted draft's
         request.next_tokens = torch.tensor([tokens[-1]], device=self.runner.device)
         if request.stream:
@@ -652,7 +720,7 @@ class Scheduler:
         # takes branch 0, waves the others): a member's rows share one suffix length, so only a
         # branch alone keeps every draft token it verified.
         split = (self._config.draft_tokens > 0 and request.n > 1 and may_draft(request) and request.shared_prefix
-                 and SharedPrefixCache.can_share(prefilled.cache))
+                 and request.layout is not DecodeLayout.STATIC_ROWS and SharedPrefixCache.can_share(prefilled.cache))
         rows = 1 if split else request.n
         forks = branching.max_branches > request.n or split
         # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt

@@ -59,17 +59,19 @@ class StaticStep:
         self.num_steps = 0
 
     def masks(self, positions: torch.Tensor, key_length: int, dtype: torch.dtype) -> Any:
-        """The step's attention masks: one additive ``(top, 1, 1, key_length)`` tensor when every
-        layer is of one kind, else ``{layer kind: mask}`` (the form mixed models take)."""
-        keys = torch.arange(key_length, device=positions.device)[None, :]  # (1, L)
-        latest = positions[:, None]  # (top, 1)
+        """The step's attention masks for queries at ``positions`` (top, T): one additive
+        ``(top, 1, T, key_length)`` tensor when every layer is of one kind, else ``{layer kind:
+        mask}`` (the form mixed models take). Query ``t`` of row ``i`` sees keys up to its own
+        position (causal within a row's positions)."""
+        keys = torch.arange(key_length, device=positions.device)[None, None, :]  # (1, 1, L)
+        latest = positions[:, :, None]  # (top, T, 1)
         visible = keys <= latest
         masked = torch.finfo(dtype).min
         made = {}
         for kind in self.kinds:
             sees = visible if kind == FULL_ATTENTION else visible & (keys > latest - self.window)
             made[kind] = torch.zeros(sees.shape, dtype=dtype, device=positions.device).masked_fill_(
-                ~sees, masked)[:, None, None, :]
+                ~sees, masked)[:, None, :, :]
         return made[self.kinds[0]] if len(made) == 1 else made
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -78,9 +80,11 @@ class StaticStep:
         # them in its kernels rather than as eager operators before it.
         masks = self.masks(positions, key_length, keys[0].dtype)
         cache = StaticRowsCache(keys, values, positions, key_length)
-        out = self.model(input_ids=input_ids, position_ids=positions[:, None], attention_mask=masks,
-                         use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
-        return out.logits[:, -1, :]
+        # A decode step keeps the last position's logits; a drafted step keeps every position's.
+        keep = 1 if input_ids.shape[1] == 1 else 0
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=masks,
+                         use_cache=True, logits_to_keep=keep, **{self.cache_kwarg: cache})
+        return out.logits
 
     @torch.inference_mode()
     def logits(self, pool: StaticRowPool, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -92,10 +96,23 @@ class StaticStep:
         # whose rows nobody reads), so a batch that grows or shrinks a row at a time reuses a few.
         rows = bucket_rows(top, pool.num_slots) if self.compiled else top
         key_length = pool.key_length()
-        positions = pool.lengths[:rows]
+        positions = pool.lengths[:rows, None]
         self.num_steps += 1
-        logits = self._run(next_tokens[:rows, None], positions, pool.keys, pool.values, key_length)
+        logits = self._run(next_tokens[:rows, None], positions, pool.keys, pool.values, key_length)[:, -1, :]
         return logits[:top] if rows > top else logits
+
+    @torch.inference_mode()
+    def drafted_logits(self, pool: StaticRowPool, inputs: torch.Tensor) -> torch.Tensor:
+        """One drafted step of the rows ``[0, pool.top)``: feeds row ``i``'s ``inputs[i]`` (top, T)
+        (its next token, then its draft, padded) at its positions from its length on, writes their
+        KV into the pool, and returns every position's logits (top, T, V). The pool's lengths are the
+        caller's to advance by what each row keeps (``StaticRowPool.advance_by``); the rest of what
+        a row wrote lies past its length, where no mask shows it. It runs eagerly, compiled or not:
+        its width changes from step to step, and each would be a shape to build."""
+        top, width = inputs.shape
+        positions = pool.lengths[:top, None] + torch.arange(width, device=inputs.device)[None, :]
+        self.num_steps += 1
+        return self._forward(inputs, positions, pool.keys, pool.values, pool.key_length(width))
 
 
 def _compiled_method(owner: Any, name: str) -> Any:

@@ -132,12 +132,12 @@ def test_scheduler_config_refuses_bad_drafting_settings_naming_them(bad, error):
         SchedulerConfig(**bad)
 
 
-@pytest.mark.parametrize("layout", [dict(decode_attention="static_rows"), dict(decode_attention="dynamic_cache"),
-                                    dict(decode_capture="compile")])
-def test_a_decode_layout_that_cannot_draft_is_refused_naming_draft_tokens(layout):
+def test_a_decode_layout_that_cannot_draft_is_refused_naming_draft_tokens():
     with pytest.raises(ValueError, match="scheduler.draft_tokens"):
-        drafting(**layout)
-    EngineConfig(**layout)  # without drafting it is fine
+        drafting(decode_attention="dynamic_cache")
+    EngineConfig(decode_attention="dynamic_cache")  # without drafting it is fine
+    drafting(decode_attention="static_rows")
+    drafting(decode_capture="compile")
 
 
 def test_drafting_is_off_by_default():
@@ -146,12 +146,18 @@ def test_drafting_is_off_by_default():
 
 
 # -- the engine: token identity -------------------------------------------------------------------
+# Both layouts that draft: one-row members of the shared prefix, and static rows (every row drafts).
+LAYOUTS = ("shared_prefix", "static_rows")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILY_CASES)
-def test_drafted_branches_are_token_identical_to_decoding_without_drafts(family):
+def test_drafted_branches_are_token_identical_to_decoding_without_drafts(family, layout):
     model, tokenizer = make_family_model(family), char_tokenizer()
     cases = [(params, n) for params in (GREEDY, SAMPLED) for n in (1, 4)]
     want = [token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, n, params)) for params, n in cases]
-    engine = RKSCEngine(model, tokenizer, drafting())
+    engine = RKSCEngine(model, tokenizer, drafting(decode_attention=layout))
+    assert engine.runner.decode_layout().value == layout
     got = [token_ids(engine.generate_branches(PROMPT, n, params)) for params, n in cases]
     assert got == want, f"{family}: drafting changed the tokens"
     stats = engine.stats()
@@ -201,7 +207,34 @@ def test_a_drafting_request_whose_first_branch_ends_at_once_still_returns_every_
     assert token_ids(got) == want
 
 
-def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone():
+def test_on_static_rows_every_branch_of_a_request_drafts_as_a_row_of_it():
+    model, tokenizer = make_family_model("llama3"), char_tokenizer()
+    want = token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, 4, SAMPLED))
+    engine = RKSCEngine(model, tokenizer, drafting(sources=("siblings",), decode_attention="static_rows"))
+    handle = engine.submit(PROMPT, 4, SAMPLED)
+    with engine.exclusive():
+        engine.scheduler.step()
+        assert [len(m.active) for m in engine.scheduler.requests.decoding()] == [4], "its branches were split"
+    assert token_ids(handle.result()) == want
+    stats = engine.stats()
+    assert stats.extra.get("accepted_draft_tokens_siblings", 0) > 0, "no sibling's text was ever a right guess"
+    assert stats.rejected_draft_tokens > 0, "no draft was rejected: the test did not exercise the roll-back"
+    assert stats.draft_forwards > 0
+
+
+def test_a_compiled_static_step_drafts_and_keeps_the_tokens():
+    model, tokenizer = make_family_model("llama3"), char_tokenizer()
+    cases = [(GREEDY, 1), (SAMPLED, 3)]
+    want = [token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, n, params)) for params, n in cases]
+    engine = RKSCEngine(model, tokenizer, drafting(decode_capture="compile"))
+    got = [token_ids(engine.generate_branches(PROMPT, n, params)) for params, n in cases]
+    assert got == want
+    assert engine.stats().accepted_draft_tokens > 0
+    assert engine.runner.static_step.num_steps > engine.stats().draft_forwards, "no ordinary (compiled) step ran"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone(layout):
     model, tokenizer = make_tiny_model(1), make_char_tokenizer()
 
     def no_digit_nine(token_lists, logits):  # a logits processor: its request may not draft
@@ -215,7 +248,7 @@ def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone():
             ("x y x y x y x y", 1, SamplingParams(max_new_tokens=30, stop=("y x y",)), None)]
     plain = RKSCEngine(model, tokenizer)
     want = [token_ids(plain.submit(p, n, params, logits_processor=lp).result()) for p, n, params, lp in jobs]
-    engine = RKSCEngine(model, tokenizer, drafting())
+    engine = RKSCEngine(model, tokenizer, drafting(decode_attention=layout))
     with engine.exclusive():  # all admitted in one step, decoded together
         handles = [engine.submit(p, n, params, logits_processor=lp) for p, n, params, lp in jobs]
     got = [token_ids(handle.result()) for handle in handles]
@@ -225,13 +258,14 @@ def test_requests_batched_together_draft_and_keep_the_tokens_they_get_alone():
     assert all(c.drafted_tokens == 0 for c in handles[3].result()), "a request with a logits processor drafted"
 
 
-def test_streamed_text_and_finish_reasons_are_the_same_with_drafts():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_streamed_text_and_finish_reasons_are_the_same_with_drafts(layout):
     model, tokenizer = make_tiny_model(0), make_char_tokenizer()
     cases = [SamplingParams(max_new_tokens=23), SamplingParams(max_new_tokens=40, stop=("c a",)),
              SamplingParams(max_new_tokens=40, temperature=0.3, seed=1, stop=(" a",))]
     for params in cases:
         want = RKSCEngine(model, tokenizer).generate_branches("abc abc abc abc abc", 2, params)
-        engine = RKSCEngine(model, tokenizer, drafting(draft_tokens=8))
+        engine = RKSCEngine(model, tokenizer, drafting(draft_tokens=8, decode_attention=layout))
         chunks = list(engine.submit("abc abc abc abc abc", 2, params, stream=True))
         streamed = ["".join(c.text for c in chunks if c.branch_index == b) for b in range(2)]
         done = sorted((c.completion for c in chunks if c.completion is not None), key=lambda c: c.branch_index)
@@ -240,9 +274,10 @@ def test_streamed_text_and_finish_reasons_are_the_same_with_drafts():
         assert max(len(c.token_ids) for c in done) <= params.max_new_tokens
 
 
-def test_completions_and_stats_count_the_same_drafts():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_completions_and_stats_count_the_same_drafts(layout):
     model, tokenizer = make_tiny_model(0), make_char_tokenizer()
-    engine = RKSCEngine(model, tokenizer, drafting())
+    engine = RKSCEngine(model, tokenizer, drafting(decode_attention=layout))
     single = engine.generate(PROMPT, GREEDY)
     stats = engine.stats()
     assert single.drafted_tokens == stats.drafted_tokens > 0
