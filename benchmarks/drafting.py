@@ -1,14 +1,17 @@
-"""Benchmark: drafting from the prompt and sibling branches (``SchedulerConfig.draft_tokens``).
+"""Benchmark: drafting from the prompt, the sibling branches and the radix cache
+(``SchedulerConfig.draft_tokens``).
 
 Per workload and arm: decode tokens/s with and without drafting side by side (arms alternating
 within each repeat, the prompt cached so a run is its decode), whether every arm's tokens equal
 the arm without drafting, and per source the draft tokens proposed and accepted, the verifying
 forwards and the forwards saved (the request's, whose longest branch sets its count). Arms: drafting
-off, and each ``k`` of ``--ks`` with each source set of ``--sources``.
+off, and each ``k`` of ``--ks`` with each source set of ``--sources``, per decode layout of
+``--layouts``. ``--curve`` adds the cost of one verifying forward by rows and positions a row.
 
 Workloads: ``few-shot``: the ``rksc ask`` job on the default model (its 8-shot synthetic GSM8K-style
 prompt and question, 8 branches sampled at temperature 0.7, top-p 0.95, ``<|im_end|>`` as the stop
-string, no monitor, no CGEE); ``tiny``: the same chat prompt's worked examples as plain text on
+string, no monitor, no CGEE); ``agent turns`` (``--agent``): a tool-calling loop's greedy turns on
+the default model (``agent_job``); ``tiny``: the same chat prompt's worked examples as plain text on
 tiny-config families (``--families``), where a forward costs almost nothing and a step is host
 cost, the GPU's stand-in. Times only mean something with nothing else running:
 
@@ -18,6 +21,8 @@ cost, the GPU's stand-in. Times only mean something with nothing else running:
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,11 +31,21 @@ from rksc_bench import harness
 from rksc_bench.families import char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.config import DRAFT_SOURCES
+from rksc_engine.kvcache.cache_layers import new_kv_cache
+from rksc_engine.kvcache.static_rows import StaticRowPool
 from rksc_engine.evaluation.workloads import synthetic_problems
 from rksc_engine.reasoning.few_shot import few_shot_messages
 
 QUESTION = "A farmer has 17 sheep and buys 3 times as many goats as sheep. How many animals does he have?"
-SOURCE_SETS = {"prompt": ("prompt",), "siblings": ("siblings",), "both": DRAFT_SOURCES}
+SOURCE_SETS = {"prompt": ("prompt",), "siblings": ("siblings",), "both": ("prompt", "siblings"), "cache": ("cache",),
+               "all": DRAFT_SOURCES}
+# The agent workload: a tool described in the system message, and the items it is asked about.
+AGENT_SYSTEM = ("You are a shopping assistant with one tool. To look up a price, answer with one line of JSON and "
+                'nothing else, for example: {"tool": "get_price", "item": "apples"}')
+AGENT_ITEMS = ("apples", "bread", "milk", "eggs", "apples", "coffee")
+# One worked turn before the first question, as a tool-calling prompt shows the model its format.
+AGENT_EXAMPLE = ({"role": "user", "content": "What does rice cost?"},
+                 {"role": "assistant", "content": '{"tool": "get_price", "item": "rice"}'})
 # Characters (one token each) of the tiny families' context window (1,024) a prompt may take.
 TINY_CONTEXT_CHARS = 1000
 COUNTERS = ("decode_tokens", "drafted_tokens", "accepted_draft_tokens", "rejected_draft_tokens", "draft_forwards",
@@ -45,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ks", type=harness.positive_int_list, default=[2, 4, 8],
                         help="comma-separated draft lengths (default 2,4,8)")
     parser.add_argument("--sources", default="prompt,siblings,both",
-                        help=f"comma-separated source sets, of {list(SOURCE_SETS)} (default all)")
+                        help=f"comma-separated source sets, of {list(SOURCE_SETS)} (default prompt,siblings,both)")
     parser.add_count("--branches", 8, "branches of the request")
     parser.add_count("--shots", 8, "worked examples in the prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7; 0 greedy)")
@@ -55,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", default="shared_prefix",
                         help="comma-separated decode layouts (EngineConfig.decode_attention), of "
                              f"{list(LAYOUTS)}; each has its arm without drafting (default shared_prefix)")
+    parser.add_argument("--agent", action="store_true",
+                        help="also run an agent's tool-call turns on the default model (greedy, one branch, the "
+                             "conversation sent again each turn, the loop run twice; the cache cleared before each run)")
+    parser.add_argument("--curve", action="store_true",
+                        help="also time one verifying forward of the default model over static rows, by rows "
+                             "(1, 2, 4, 8) and positions a row (1, 3, 5, 9), the few-shot prompt's KV in each row")
     parser.add_threads()
     args = parser.parse_args(argv)
     args.layouts = args.layouts.split(",")
@@ -92,23 +113,23 @@ def counters(engine: RKSCEngine) -> dict[str, float]:
 LAYOUTS = {"shared_prefix": "shared", "static_rows": "static"}
 
 
-def measure(label: str, engine: RKSCEngine, prompt: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Every arm on ``engine`` (its config swapped per run), arms alternating within each repeat."""
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=0.95,
-                            seed=args.seed, stop=("<|im_end|>",))
+def measure(label: str, engine: RKSCEngine, job: Callable[[RKSCEngine], list[tuple[int, ...]]],
+            args: argparse.Namespace, before: Callable[[], object] | None = None) -> dict[str, Any]:
+    """Every arm running ``job`` on ``engine`` (its config swapped per run; ``before`` untimed ahead
+    of each run), arms alternating within each repeat."""
     configs = arm_configs(args)
-    engine.generate_branches(prompt, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
     deltas: dict[str, list[dict[str, float]]] = {arm: [] for arm in configs}
 
     def run(arm: str) -> list[tuple[int, ...]]:
         engine.config = configs[arm]
-        before = counters(engine)
-        tokens = [c.token_ids for c in engine.generate_branches(prompt, args.branches, params)]
+        before_counts = counters(engine)
+        tokens = job(engine)
         after = counters(engine)
-        deltas[arm].append({name: after.get(name, 0) - before.get(name, 0) for name in after})
+        deltas[arm].append({name: after.get(name, 0) - before_counts.get(name, 0) for name in after})
         return tokens
 
-    timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats)
+    timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats,
+                                   before=None if before is None else (lambda arm: before()))
     want = timings["off"].results[0]
     cells = []
     for arm, timing in timings.items():
@@ -128,6 +149,64 @@ def measure(label: str, engine: RKSCEngine, prompt: Any, args: argparse.Namespac
     return {"workload": label, "cells": cells}
 
 
+def branches_job(prompt: Any, args: argparse.Namespace) -> Callable[[RKSCEngine], list[tuple[int, ...]]]:
+    """``--branches`` branches of ``prompt``, sampled as the ``rksc ask`` job samples them."""
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=0.95,
+                            seed=args.seed, stop=("<|im_end|>",))
+    return lambda engine: [c.token_ids for c in engine.generate_branches(prompt, args.branches, params)]
+
+
+def agent_job(engine: RKSCEngine) -> list[tuple[int, ...]]:
+    """An agent's tool-call turns, greedy, as a tool-calling loop sends them: each turn's request is
+    the whole conversation so far (the model's earlier calls, each tool result, the next question),
+    and the model answers with a one-line JSON call. The loop runs twice over the same items (an agent
+    re-run on the same input), so its second pass meets contexts the cache has seen."""
+    params = SamplingParams(max_new_tokens=40, stop=("<|im_end|>",))
+    tokens = []
+    for _ in range(2):
+        messages = [{"role": "system", "content": AGENT_SYSTEM}, *AGENT_EXAMPLE]
+        question = f"Result: 0.99 dollars. What does {AGENT_ITEMS[0]} cost?"
+        for turn, item in enumerate(AGENT_ITEMS):
+            messages.append({"role": "user", "content": question})
+            answer = engine.generate(messages, params)
+            tokens.append(answer.token_ids)
+            messages.append({"role": "assistant", "content": answer.text})
+            if turn + 1 < len(AGENT_ITEMS):
+                question = f"Result: {1.25 + turn:.2f} dollars. What does {AGENT_ITEMS[turn + 1]} cost?"
+    return tokens
+
+
+def verify_curve(engine: RKSCEngine, messages: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Milliseconds of one verifying forward (``StaticStep.drafted_logits``) by rows and positions a
+    row, each row holding the prompt's KV: what a drafted step costs against an ordinary one (one
+    position), which is what a draft must save to pay. Arms alternate; the median of ``--repeats``."""
+    engine.config = EngineConfig(decode_attention="static_rows")
+    engine.runner.decode_layout()  # builds the static step
+    step, model, tokenizer = engine.runner.static_step, engine.model, engine.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    kept = new_kv_cache(model.config)
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=kept, use_cache=True)
+    kv = [(layer.keys, layer.values) for layer in kept.layers]
+    cells = []
+    for rows in (1, 2, 4, 8):
+        pool = StaticRowPool(prompt.device, next(model.parameters()).dtype)
+        pool.reserve(rows, prompt.shape[1] + 16, [(k.shape[1], k.shape[3]) for k, _ in kv])
+        pool.write_prompt(pool.rows(rows).slots, kv)
+        arms = {width: (lambda width=width: step.drafted_logits(pool, torch.full((rows, width), 7)))
+                for width in (1, 3, 5, 9)}
+        timings = harness.side_by_side(arms, max(args.repeats, 5))
+        one = statistics.median(timings[1].runs_s)
+        for width, timing in timings.items():
+            ms = statistics.median(timing.runs_s) * 1000
+            cells.append({"rows": rows, "positions": width, "prompt_tokens": prompt.shape[1], "ms": ms,
+                          "vs_one_position": ms / (one * 1000)})
+            print(f"verify forward: {rows} rows x {width} positions: {ms:7.1f} ms ({ms / (one * 1000):.2f}x one position)",
+                  flush=True)
+    return cells
+
+
 def format_cell(cell: dict[str, Any]) -> str:
     acceptance = "    -" if cell["acceptance"] is None else f"{cell['acceptance']:5.1%}"
     return (f"{cell['workload']:>16} {cell['arm']:>21}: {cell['decode_tokens_per_s']:8.1f} tok/s "
@@ -141,11 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     harness.start_run(args)
     torch.manual_seed(0)
     shots = synthetic_problems(args.shots, seed=1)
-    results = []
+    results, curve = [], []
     if not args.no_default_model:
         engine = harness.load_engine(args)
         harness.warm_up(engine)
-        results.append(measure("few-shot", engine, few_shot_messages(QUESTION, shots), args))
+        prompt = few_shot_messages(QUESTION, shots)
+        engine.generate_branches(prompt, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
+        results.append(measure("few-shot", engine, branches_job(prompt, args), args))
+        if args.agent:
+            results.append(measure("agent turns", engine, agent_job, args, before=engine.clear_cache))
+        if args.curve:
+            curve = verify_curve(engine, few_shot_messages(QUESTION, shots), args)
     text = f"Q: {QUESTION}\nA:"
     for shot in reversed(shots):  # as many worked examples as the tiny models' context leaves room for
         example = f"Q: {shot.question}\nA: {shot.solution}\n\n"
@@ -154,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         text = example + text
     for name in args.families:
         engine = RKSCEngine(make_family_model(name), char_tokenizer())
-        results.append(measure(f"tiny {name}", engine, text, args))
-    harness.write_json(args.json_out, {"arguments": vars(args), "workloads": results})
+        engine.generate_branches(text, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
+        results.append(measure(f"tiny {name}", engine, branches_job(text, args), args))
+    harness.write_json(args.json_out, {"arguments": vars(args), "workloads": results, "verify_curve": curve})
 
 
 if __name__ == "__main__":

@@ -393,7 +393,7 @@ DEFAULT_MAX_COPIED_PROMPT_TAIL = 256  # SchedulerConfig.max_copied_prompt_tail
 # (``kvcache.suffix_pool.SUFFIX_ALIGNMENT``).
 MIN_POOLED_SUFFIX_TOKENS = 64
 # Where a branch's drafts may come from (``SchedulerConfig.draft_sources``).
-DRAFT_SOURCES = ("prompt", "siblings")
+DRAFT_SOURCES = ("prompt", "siblings", "cache")
 # Most tokens a draft may propose (``SchedulerConfig.draft_tokens``): a verify forward runs this many
 # positions a row, plus one.
 MAX_DRAFT_TOKENS = 16
@@ -448,9 +448,11 @@ class SchedulerConfig:
             (each keeps its own length; its drafted steps run eagerly, ``decode_capture`` or not);
             with ``decode_attention="dynamic_cache"`` a value above 0 is refused.
         draft_sources: Where drafts come from, tried in this order: ``"prompt"`` (the branch's own
-            prompt and the tokens it has generated, as prompt lookup decoding does) and
-            ``"siblings"`` (the tokens the other branches of the same request have generated).
-            Default both.
+            prompt and the tokens it has generated, as prompt lookup decoding does),
+            ``"siblings"`` (the tokens the other branches of the same request have generated) and
+            ``"cache"`` (what an earlier request went on with after the branch's whole context, where
+            the radix prefix cache holds it; matched on the whole context, so tried first). Default
+            all three.
     """
 
     max_batch_rows: int = 64

@@ -387,6 +387,33 @@ class RadixPrefixCache:
             return PrefixMatch(matched, segments, path[-1])
         return PrefixMatch(matched, segments, path[-1], layers, self.num_layers)
 
+    def continuation(self, token_ids: Sequence[int], limit: int) -> list[int] | None:
+        """Up to ``limit`` tokens the tree holds right after ``token_ids``, following at each fork the
+        child used last: what an earlier request went on with after the same context. ``[]`` when
+        the tree holds all of ``token_ids`` and nothing after it; None when it does not hold them
+        all (a context that has left the tree does not come back to it as it grows, bar a later
+        insert). Reads the tree only: no node is touched or split."""
+        node, i, n = self.root, 0, len(token_ids)
+        rest: tuple[int, ...] = ()
+        while i < n:
+            child = node.children.get(token_ids[i])
+            if child is None:
+                return None
+            edge = child.token_ids
+            if n - i >= len(edge) and tuple(token_ids[i:i + len(edge)]) == edge:  # one C-level comparison
+                i += len(edge)
+                node = child
+                continue
+            common = common_prefix_length(edge, token_ids, b_start=i)
+            if i + common < n:
+                return None
+            rest, node, i = edge[common:], child, n
+        found = list(rest[:limit])
+        while len(found) < limit and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            found += node.token_ids[:limit - len(found)]
+        return found
+
     def _window_intact_length(self, path: list[RadixNode], length: int) -> int:
         """The longest prefix, at most ``length`` long, whose positions a query right after it can see
         through a sliding window all keep every layer's KV."""

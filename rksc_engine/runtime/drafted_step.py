@@ -23,7 +23,7 @@ step, and forgets the rest. Callers hold the engine lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,10 @@ from .drafts import Draft, DraftIndex
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import choose_next_tokens
+
+
+# What the radix cache holds after a context (``RadixPrefixCache.continuation``).
+CachedTokens = Callable[[Sequence[int], int], "list[int] | None"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,15 @@ def may_draft(request: Request) -> bool:
     return request.logits_processor is None and request.head.branching.monitor is None
 
 
-def propose_drafts(request: Request, draft_tokens: int, sources: Sequence[str]) -> list[Draft | None]:
+def propose_drafts(request: Request, draft_tokens: int, sources: Sequence[str], cached: CachedTokens | None
+                   ) -> list[Draft | None]:
     """A draft (or None) for each of ``request``'s running rows, from its head's index caught up
-    with every branch's tokens. A draft may not run past its branch's budget: the branch's last
-    token is the one chosen after the draft."""
+    with every branch's tokens (``cached``: the radix cache's continuations, ``DraftIndex``). A
+    draft may not run past its branch's budget: the branch's last token is the one chosen after
+    the draft."""
     head = request.head
     if head.draft_index is None:
-        head.draft_index = DraftIndex(head.prompt_ids)
+        head.draft_index = DraftIndex(head.prompt_ids, cached)
     head.draft_index.catch_up((b.index, b.token_ids) for b in head.branches)
     drafts = []
     for b in request.active:
@@ -80,7 +86,8 @@ def propose_drafts(request: Request, draft_tokens: int, sources: Sequence[str]) 
     return drafts
 
 
-def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[str]) -> list[StepInputs] | None:
+def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[str],
+              cached: CachedTokens | None = None) -> list[StepInputs] | None:
     """Each of ``requests``' inputs to a drafted step, drafts proposed now for the rows of the
     requests that may draft and decode one row (``may_draft``); None when no row has a draft (an
     ordinary step then does the same work in one position a row)."""
@@ -92,14 +99,14 @@ def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[
         if rows != 1 or not may_draft(request):
             plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
             continue
-        drafts = propose_drafts(request, draft_tokens, sources)
+        drafts = propose_drafts(request, draft_tokens, sources, cached)
         drafted = drafted or drafts[0] is not None
         plans.append(StepInputs([[ids[0], *(drafts[0].tokens if drafts[0] is not None else ())]], drafts, True))
     return plans if drafted else None
 
 
 def plan_static_step(requests: Sequence[Request], next_ids: Sequence[int], draft_tokens: int,
-                     sources: Sequence[str]) -> list[StepInputs] | None:
+                     sources: Sequence[str], cached: CachedTokens | None = None) -> list[StepInputs] | None:
     """``plan_step`` for requests on static rows, whose rows each keep their own length, so every
     row of a request that may draft drafts (no row waits for a sibling). ``next_ids``: the rows'
     next tokens, in the requests' order."""
@@ -110,7 +117,7 @@ def plan_static_step(requests: Sequence[Request], next_ids: Sequence[int], draft
         if not may_draft(request):
             plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
             continue
-        drafts = propose_drafts(request, draft_tokens, sources)
+        drafts = propose_drafts(request, draft_tokens, sources, cached)
         drafted = drafted or any(d is not None for d in drafts)
         plans.append(StepInputs([[t, *(d.tokens if d is not None else ())] for t, d in zip(ids, drafts)], drafts, True))
     return plans if drafted else None

@@ -4,10 +4,13 @@ A branch's draft is what followed, elsewhere, the last few tokens it has: an n-g
 (prompt lookup decoding) against the sources ``SchedulerConfig.draft_sources`` names, in its order:
 
 * ``"prompt"``: the branch's own tokens, generated ones first, then the request's prompt;
-* ``"siblings"``: the tokens the request's other branches have generated.
+* ``"siblings"``: the tokens the request's other branches have generated;
+* ``"cache"``: the radix prefix cache, across requests: what an earlier request went on with after
+  the branch's whole context (its prompt and its tokens so far), where the cache holds that context.
 
-The longest n-gram is tried first (``MAX_NGRAM`` tokens down to ``MIN_NGRAM``), every source for one
-length before a shorter one; within a source the latest occurrence that has a continuation wins.
+``"cache"`` matches the whole context, so it is tried before any n-gram. For the others, the longest
+n-gram is tried first (``MAX_NGRAM`` tokens down to ``MIN_NGRAM``), every source for one length
+before a shorter one; within a source the latest occurrence that has a continuation wins.
 Each source keeps an index from n-gram to where it ends (``NgramIndex``), brought up to date as its
 branch grows, so a proposal costs a few dictionary look-ups whatever the prompt's length.
 
@@ -19,7 +22,7 @@ Callers hold the engine lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # Lengths of the n-grams matched, longest first: a longer match predicts its continuation better, a
@@ -80,12 +83,18 @@ class DraftIndex:
 
     Args:
         prompt_ids: The request's prompt.
+        cached: What the radix cache holds after a context, ``(context, limit) -> tokens``
+            (``RadixPrefixCache.continuation``: None once the context is not all in it); None
+            without a cache.
     """
 
-    def __init__(self, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, prompt_ids: Sequence[int],
+                 cached: Callable[[Sequence[int], int], list[int] | None] | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.prompt = NgramIndex(prompt_ids)
         self.generated: dict[int, NgramIndex] = {}  # branch index -> its generated tokens' index
+        self.cached = cached
+        self.off_cache: set[int] = set()  # branches whose context has left the cache: not looked up again
 
     def catch_up(self, generated: Iterable[tuple[int, Sequence[int]]]) -> None:
         """Index what the branches generated since the last call: ``(branch index, its tokens)`` each."""
@@ -101,6 +110,12 @@ class DraftIndex:
         (module docstring); None when none does. The indexes must be caught up (``catch_up``)."""
         if limit < 1:
             return None
+        if "cache" in sources and self.cached is not None and branch_index not in self.off_cache:
+            found = self.cached(self.prompt_ids + list(token_ids), limit)
+            if found is None:
+                self.off_cache.add(branch_index)
+            elif found:
+                return Draft(tuple(found), "cache")
         tail = (self.prompt_ids[-MAX_NGRAM:] + list(token_ids[-MAX_NGRAM:]))[-MAX_NGRAM:]
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             key = tuple(tail[-n:])
@@ -112,6 +127,8 @@ class DraftIndex:
         return None
 
     def _indexes(self, source: str, branch_index: int) -> list[NgramIndex]:
+        if source == "cache":
+            return []
         if source == "prompt":
             own = self.generated.get(branch_index)
             return [own, self.prompt] if own is not None else [self.prompt]

@@ -117,6 +117,8 @@ class Scheduler:
         self.detokenizer = Detokenizer(tokenizer)
         self.counters = counters
         self.prefix_cache = prefiller.prefix_cache
+        # Drafts from the radix cache (``drafts.DraftIndex``); None without a cache.
+        self._cached_tokens = self.prefix_cache.continuation if self.prefix_cache is not None else None
         # Whoever lets go of the engine last (a step, a verifier pass, an exclusive() block) publishes
         # the stats snapshot that stats() returns while someone else holds it.
         self.lock = EngineLock(on_release=self._on_release)
@@ -366,7 +368,8 @@ class Scheduler:
         for request in running:  # by the cache each decodes in
             (static if request.static else batched if request.shared else alone).append(request)
         config = self._config
-        plans = plan_step(batched, config.draft_tokens, config.draft_sources) if config.draft_tokens and batched else None
+        plans = (plan_step(batched, config.draft_tokens, config.draft_sources, self._cached_tokens)
+                 if config.draft_tokens and batched else None)
         mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
         prefilled: list[Prefilled] | None = None
         stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
@@ -412,7 +415,7 @@ class Scheduler:
             if config.draft_tokens:
                 next_ids = pool.next_tokens[:pool.top].tolist()
                 plans = plan_static_step(static, [next_ids[s] for s in order], config.draft_tokens,
-                                         config.draft_sources)
+                                         config.draft_sources, self._cached_tokens)
             if plans is None:
                 logits = forward_static_rows(self.runner, pool, order, slots)
             else:

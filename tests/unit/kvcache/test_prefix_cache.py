@@ -306,3 +306,19 @@ def test_an_insert_may_evict_the_other_part_of_the_node_it_extends():
     assert cache.match_prefix(ids).num_tokens == 4
     assert cache.total_bytes == memory_held(cache) == 10 * BYTES_PER_TOKEN
     cache.check_consistency()
+
+
+def test_the_tokens_cached_after_a_context_follow_the_child_used_last():
+    cache = make_cache()
+    cache.insert([1, 2, 3, 4, 5], kv_for([1, 2, 3, 4, 5]))
+    cache.insert([1, 2, 3, 8, 9], kv_for([1, 2, 3, 8, 9]))  # splits after [1, 2, 3]; [8, 9] used last
+    assert cache.continuation([1, 2], 2) == [3, 8], "mid-edge: the edge's rest, then the child used last"
+    assert cache.continuation([1, 2, 3], 5) == [8, 9], "a node's end: its child used last, up to its leaf"
+    cache.match_prefix([1, 2, 3, 4, 5])  # now [4, 5] is the child used last
+    assert cache.continuation([1, 2, 3], 1) == [4]
+    assert cache.continuation([1, 2, 3, 4, 5], 3) == [], "all of it cached, nothing after it"
+    assert cache.continuation([1, 2, 7], 3) is None, "the context left the tree"
+    assert cache.continuation([6], 3) is None
+    before = [(n.token_ids, n.last_access) for n in cache.root.children.values()]
+    cache.continuation([1], 4)
+    assert [(n.token_ids, n.last_access) for n in cache.root.children.values()] == before, "a look-up touched the tree"

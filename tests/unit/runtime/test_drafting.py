@@ -123,7 +123,7 @@ def test_a_whole_accepted_draft_is_followed_by_the_token_after_it():
 # -- config ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, error", [
     (dict(draft_tokens=-1), ValueError), (dict(draft_tokens=17), ValueError), (dict(draft_tokens=True), TypeError),
-    (dict(draft_tokens=2.0), TypeError), (dict(draft_tokens=2, draft_sources=("cache",)), ValueError),
+    (dict(draft_tokens=2.0), TypeError), (dict(draft_tokens=2, draft_sources=("radix",)), ValueError),
     (dict(draft_tokens=2, draft_sources=()), ValueError), (dict(draft_sources="prompt"), TypeError),
     (dict(draft_sources=("prompt", "prompt")), ValueError),
 ])
@@ -142,7 +142,7 @@ def test_a_decode_layout_that_cannot_draft_is_refused_naming_draft_tokens():
 
 def test_drafting_is_off_by_default():
     assert SchedulerConfig().draft_tokens == 0
-    assert SchedulerConfig().draft_sources == ("prompt", "siblings")
+    assert SchedulerConfig().draft_sources == ("prompt", "siblings", "cache")
 
 
 # -- the engine: token identity -------------------------------------------------------------------
@@ -231,6 +231,28 @@ def test_a_compiled_static_step_drafts_and_keeps_the_tokens():
     assert got == want
     assert engine.stats().accepted_draft_tokens > 0
     assert engine.runner.static_step.num_steps > engine.stats().draft_forwards, "no ordinary (compiled) step ran"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_request_that_comes_again_drafts_what_the_cache_kept_of_its_first_answer(layout):
+    model, tokenizer = make_tiny_model(2), make_char_tokenizer()
+    prompt = "The quick brown fox jumps over"
+    want = RKSCEngine(model, tokenizer).generate(prompt, GREEDY).token_ids
+    engine = RKSCEngine(model, tokenizer, drafting(draft_tokens=8, sources=("cache",), decode_attention=layout))
+    first = engine.generate(prompt, GREEDY)
+    assert first.token_ids == want and first.drafted_tokens == 0, "nothing was cached after the prompt yet"
+    again = engine.generate(prompt, GREEDY)
+    assert again.token_ids == want
+    # Every forward after the first token verifies 8 cached tokens and takes one more of its own.
+    forwards = -(-(len(want) - 1) // 9)
+    assert again.accepted_draft_tokens == again.drafted_tokens == len(want) - 1 - forwards, \
+        "the cached answer was not drafted whole"
+    assert engine.stats().extra["accepted_draft_tokens_cache"] == again.accepted_draft_tokens
+    # The same prompt sampled: its branches leave the cached answer at their first other token, and
+    # keep their own tokens.
+    sampled = SamplingParams(max_new_tokens=40, temperature=0.8, seed=2)
+    assert token_ids(engine.generate_branches(prompt, 3, sampled)) == token_ids(
+        RKSCEngine(model, tokenizer).generate_branches(prompt, 3, sampled))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
