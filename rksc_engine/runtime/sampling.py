@@ -14,6 +14,8 @@ for one sample, so the same generator state gives the same token (tested against
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..config import SamplingParams, check_branch_seeds
@@ -68,16 +70,24 @@ def _top_p_drop_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     k = min(TOP_P_CANDIDATES, logits.shape[-1])
     top_probs, top_index = torch.topk(probs, k, dim=-1)  # sorted, descending
     mass_before = top_probs.cumsum(dim=-1) - top_probs  # (B, k)
-    if k < logits.shape[-1] and bool((mass_before[:, -1] + top_probs[:, -1] < top_p).any()):
-        # Some row's nucleus is wider than the candidates: rank the whole vocabulary.
-        sorted_logits, top_index = torch.sort(logits, dim=-1, descending=True)
-        top_probs = sorted_logits.softmax(dim=-1)
-        mass_before = top_probs.cumsum(dim=-1) - top_probs
-    keep_ranked = mass_before < top_p  # (B, k) or (B, V), in rank order
-    keep_ranked[:, 0] = True
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep.scatter_(-1, top_index, keep_ranked)
+    keep = _keep_ranked(mass_before, top_index, top_p, probs.shape)
+    if k < logits.shape[-1]:
+        wide = mass_before[:, -1] + top_probs[:, -1] < top_p
+        if bool(wide.any()):
+            # These rows' nuclei are wider than the candidates: rank their whole vocabulary. Only
+            # theirs, so a row's mask never depends on the rows it is batched with.
+            rows = wide.nonzero()[:, 0]
+            sorted_logits, order = torch.sort(logits[rows], dim=-1, descending=True)
+            ranked = sorted_logits.softmax(dim=-1)
+            keep[rows] = _keep_ranked(ranked.cumsum(dim=-1) - ranked, order, top_p, ranked.shape)
     return ~keep
+
+
+def _keep_ranked(mass_before: torch.Tensor, index: torch.Tensor, top_p: float, shape: torch.Size) -> torch.Tensor:
+    """The nucleus as a (B, V) mask, from each row's ranked tokens ``index`` and the mass before each."""
+    keep_ranked = mass_before < top_p
+    keep_ranked[:, 0] = True
+    return torch.zeros(shape, dtype=torch.bool, device=index.device).scatter_(-1, index, keep_ranked)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -135,16 +145,46 @@ def choose_next_tokens(
     return tokens, logprobs
 
 
-# What ``greedy_choices`` picks by: argmax.
-GREEDY = SamplingParams(temperature=0.0)
+def batch_choices(logits: torch.Tensor, requests: Sequence[tuple[SamplingParams | None, list[torch.Generator]]],
+                  row_ranges: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list[bool]] | None:
+    """``choose_next_tokens`` for the rows of a step's ``logits`` (B, V), one call for all the
+    requests that choose alike instead of one per request: every greedy request's rows in one, the
+    rows of sampled requests with the same temperature, top-k and top-p in one, each row still drawn
+    with its own generator. Every operation is per row (the top-p nucleus included), so a row's
+    token and log-probability are the same bits in any batch.
 
+    Args:
+        logits: The step's logits, (B, V).
+        requests: Per request, its sampling settings (None: it chooses on its own, as a request with
+            a logits processor does) and its rows' generators (none when greedy).
+        row_ranges: Per request, its rows ``[start, stop)`` of ``logits``.
 
-def greedy_choices(logits: torch.Tensor, greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``choose_next_tokens`` for every row of a step's ``logits`` (B, V) at once, as greedy: the
-    tokens and log-probabilities each greedy request takes from its rows, one argmax and one
-    log-softmax for the batch instead of one per request (both are per row, so a row's results are
-    the same bits in any batch). ``greedy`` says, per request, whether it may take them; None when
-    fewer than two requests may, where one call gains nothing."""
-    if sum(greedy) < 2:
+    Returns:
+        ``(tokens, logprobs, chosen)``: (B,) each, with the rows of requests not chosen for left 0,
+        and per request whether its rows were chosen; None when no two requests choose alike, where
+        one call gains nothing.
+    """
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, (params, _) in enumerate(requests):
+        if params is not None:
+            key = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+            groups.setdefault(key, []).append(i)
+    groups = {key: members for key, members in groups.items() if len(members) >= 2}
+    if not groups:
         return None
-    return choose_next_tokens(logits, GREEDY, [])
+    chosen = [False] * len(requests)
+    if len(groups) == 1 and sum(len(m) for m in groups.values()) == len(requests):  # every row alike
+        (members,) = groups.values()
+        params = requests[members[0]][0]
+        tokens, logprobs = choose_next_tokens(logits, params, [g for _, gens in requests for g in gens])
+        return tokens, logprobs, [True] * len(requests)
+    tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for members in groups.values():
+        rows = torch.tensor([row for i in members for row in range(*row_ranges[i])], device=logits.device)
+        params = requests[members[0]][0]
+        got, got_logprobs = choose_next_tokens(logits[rows], params, [g for i in members for g in requests[i][1]])
+        tokens[rows], logprobs[rows] = got, got_logprobs
+        for i in members:
+            chosen[i] = True
+    return tokens, logprobs, chosen

@@ -73,7 +73,7 @@ from .prefix_access import Prefilled
 from .registry import RequestRegistry
 from .request import Branch, PromptFork, Request, RequestStatus
 from .request_kv import RequestKV
-from .sampling import choose_next_tokens, greedy_choices, make_generators
+from .sampling import batch_choices, choose_next_tokens, make_generators
 from .stats import Counters
 from .waves import fork_wave, observe, running_branches, stop_branches
 
@@ -484,35 +484,38 @@ class Scheduler:
     def _advance_rows(self, requests: list[Request], logits: torch.Tensor, row_ranges: list[tuple[int, int]],
                       pool: StaticRowPool | None = None, slots: torch.Tensor | None = None) -> None:
         """Advance each of ``requests`` by its rows ``row_ranges`` of one forward's ``logits`` (rows,
-        V). The greedy ones without a logits processor take their tokens from one argmax for all,
+        V). The requests without a logits processor that choose alike (the greedy ones; the sampled
+        ones with the same settings) take their tokens from one call for all (``batch_choices``),
         read to the host once; with ``pool`` (static rows, ``slots`` each row's), those tokens go
         into the pool's next tokens in one write. The work per request is then Python only."""
-        takes_greedy = [r.params.greedy and r.logits_processor is None for r in requests]
-        greedy = greedy_choices(logits, takes_greedy)
-        if greedy is not None:
-            token_list, logprob_list = greedy[0].tolist(), greedy[1].tolist()
-            if pool is not None:
-                pool.next_tokens.index_copy_(0, slots, greedy[0])
+        choosers = [(None if r.logits_processor is not None else r.params,
+                     [r.generators[b] for b in r.active] if r.generators else []) for r in requests]
+        choices = batch_choices(logits, choosers, row_ranges)
+        if choices is not None:
+            tokens, logprobs, chosen = choices
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+            if pool is not None:  # a row not chosen here writes its own next token (``_advance``)
+                pool.next_tokens.index_copy_(0, slots, tokens)
         unwatched: list[tuple[Request, int]] = []
-        for request, takes, (start, stop) in zip(requests, takes_greedy, row_ranges):
-            if greedy is None or not takes:
+        for i, (request, (start, stop)) in enumerate(zip(requests, row_ranges)):
+            if choices is None or not chosen[i]:
                 self._advance_or_fail(request, logits[start:stop])
                 continue
             if not request.watched:
                 unwatched.append((request, start))
                 continue
             # Static rows feed their next tokens from the pool; the others keep theirs for the forward.
-            next_tokens = None if pool is not None else greedy[0][start:stop]
+            next_tokens = None if pool is not None else tokens[start:stop]
             self._advance_or_fail(request, None, (token_list[start:stop], logprob_list[start:stop]), next_tokens)
         if unwatched:
-            self._advance_unwatched(unwatched, token_list, logprob_list, None if pool is not None else greedy[0])
+            self._advance_unwatched(unwatched, token_list, logprob_list, None if pool is not None else tokens)
 
     def _advance_unwatched(self, requests: list[tuple[Request, int]], tokens: list[int], logprobs: list[float],
                            next_tokens: torch.Tensor | None) -> None:
-        """Record one step of greedy requests that nobody watches while they run (each with its first
+        """Record one step of requests that nobody watches while they run (each with its first
         row's index into ``tokens``/``logprobs``), in one loop for all of them: a step appends each
         row's token and checks whether it ended the branch. Static rows find their next tokens in the
-        pool; the others take their rows of ``next_tokens`` (the step's argmax, on the device). A
+        pool; the others take their rows of ``next_tokens`` (the step's chosen tokens, on the device). A
         request with a row that ended, or a branch to stop, then takes the usual way out
         (``stop_branches``); the others cost no call of their own."""
         eos = self.runner.eos_token_ids
@@ -651,8 +654,8 @@ class Scheduler:
         it, stream it, let the monitor react, retire finished and stopped branches. Returns whether
         the request (this wave, for an added one) still has rows.
 
-        ``chosen``, given only to a greedy request without a logits processor, is its rows' tokens
-        and log-probabilities, picked for the whole batch at once (``greedy_choices``), and
+        ``chosen``, given only to a request without a logits processor, is its rows' tokens and
+        log-probabilities, picked with those of the requests that choose alike (``batch_choices``), and
         ``next_tokens`` the same tokens as the tensor its next forward feeds (None when the forward
         finds them elsewhere: static rows read them from their pool)."""
         params, head = request.params, request.head

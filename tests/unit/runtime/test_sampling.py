@@ -59,20 +59,63 @@ def test_top_p_over_the_leading_candidates_equals_top_p_over_the_sorted_vocabula
     assert not got.all(dim=-1).any(), "every row must keep at least its top token"
 
 
-@pytest.mark.parametrize("splits", [(1, 1), (3, 1, 4), (8, 8)])
-def test_greedy_choices_for_a_batch_are_each_requests_own_bits(splits):
-    gen = torch.Generator().manual_seed(len(splits))
-    logits = torch.randn(sum(splits), 4096, generator=gen) * 4
-    tokens, logprobs = sampling.greedy_choices(logits, [True] * len(splits))
-    start = 0
-    for rows in splits:
-        want_tokens, want_logprobs = sampling.choose_next_tokens(logits[start:start + rows], SamplingParams(), [])
-        assert torch.equal(tokens[start:start + rows], want_tokens)
-        assert torch.equal(logprobs[start:start + rows], want_logprobs)
-        start += rows
+def _generators(seed: int, rows: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(rows)]
 
 
-def test_greedy_choices_need_two_greedy_requests():
+SAMPLED_A = SamplingParams(temperature=0.7, top_p=0.95)
+SAMPLED_B = SamplingParams(temperature=1.3, top_k=50)
+
+
+@pytest.mark.parametrize("requests", [
+    [(SamplingParams(), 1), (SamplingParams(), 1)],
+    [(SamplingParams(), 3), (SamplingParams(), 1), (SamplingParams(), 4)],
+    [(SAMPLED_A, 8), (SAMPLED_A, 8)],
+    [(SAMPLED_A, 2), (SamplingParams(), 3), (SAMPLED_B, 1), (SAMPLED_A, 1), (SAMPLED_B, 4), (None, 2)],
+])
+def test_batch_choices_give_each_request_its_own_tokens_and_bits(requests):
+    """Requests that choose alike take their tokens from one call; each gets what it would get
+    choosing alone (its generators drawn the same), and a request that chooses on its own (None: a
+    logits processor) or alone in its kind is left to itself."""
+    gen = torch.Generator().manual_seed(len(requests))
+    rows = sum(n for _, n in requests)
+    logits = torch.randn(rows, 4096, generator=gen) * 4
+    logits[0, :] = 0.0  # a flat row: its nucleus is wider than the top-p candidates (the full sort)
+    ranges, start = [], 0
+    for _, n in requests:
+        ranges.append((start, start + n))
+        start += n
+    choosers = [(params, [] if params is None or params.greedy else _generators(10 * i, n))
+                for i, (params, n) in enumerate(requests)]
+    tokens, logprobs, chosen = sampling.batch_choices(logits, choosers, ranges)
+    kinds = [None if p is None else (p.temperature, p.top_k, p.top_p) for p, _ in requests]
+    assert chosen == [k is not None and kinds.count(k) >= 2 for k in kinds]
+    for i, ((params, n), (start, stop)) in enumerate(zip(requests, ranges)):
+        if not chosen[i]:
+            continue
+        gens = [] if params.greedy else _generators(10 * i, n)
+        want_tokens, want_logprobs = sampling.choose_next_tokens(logits[start:stop], params, gens)
+        assert torch.equal(tokens[start:stop], want_tokens), f"request {i}"
+        assert torch.equal(logprobs[start:stop], want_logprobs), f"request {i}"
+
+
+def test_batch_choices_need_two_requests_that_choose_alike():
     logits = torch.randn(3, 10)
-    assert sampling.greedy_choices(logits, [True, False]) is None
-    assert sampling.greedy_choices(logits, [True]) is None
+    assert sampling.batch_choices(logits, [(SamplingParams(), []), (None, [])], [(0, 1), (1, 3)]) is None
+    assert sampling.batch_choices(logits, [(SamplingParams(), [])], [(0, 3)]) is None
+    assert sampling.batch_choices(logits, [(SamplingParams(), []), (SAMPLED_A, _generators(0, 2))],
+                                  [(0, 1), (1, 3)]) is None
+
+
+def test_a_rows_top_p_nucleus_does_not_depend_on_the_rows_beside_it():
+    """A row whose nucleus is wider than the candidates is ranked over the whole vocabulary; the
+    rows beside it keep the candidates' ranking, so each row's mask is what it is alone."""
+    # A row whose candidates' ranking and the whole vocabulary's disagree, within float rounding,
+    # on one token at the edge of its 0.9 nucleus (found by search), beside a nearly flat row.
+    edge = torch.randn(1, 4096, generator=torch.Generator().manual_seed(2672)) * 4
+    flat = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1)) * 0.01
+    logits = torch.cat([edge, flat, edge.roll(7, dims=-1)])
+    together = sampling.filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    for row in range(3):
+        alone = sampling.filter_logits(logits[row:row + 1], SamplingParams(temperature=1.0, top_p=0.9))
+        assert torch.equal(together[row:row + 1], alone), f"row {row}"

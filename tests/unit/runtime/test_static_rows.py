@@ -432,6 +432,36 @@ def test_an_unwatched_requests_text_is_decoded_once_when_its_branch_ends(tokeniz
     assert stopped[0].text == quiet[0].text
 
 
+@pytest.mark.parametrize("layout", ["static_rows", "shared_prefix"])
+def test_sampled_requests_that_sample_alike_take_their_tokens_from_one_call_a_step(tokenizer, layout, monkeypatch):
+    """Independent sampled requests with the same temperature and top-p choose their rows' tokens
+    in one call a decode step, not one call a request, and each gets the tokens it gets alone."""
+    from rksc_engine.runtime import sampling, scheduler
+
+    model = make_family_model("llama3")
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=s) for s in (1, 5, 9, 13)]
+    prompts = [PROMPT, *MIXED_LENGTH_PROMPTS[:3]]
+    alone = [RKSCEngine(model, tokenizer, EngineConfig(decode_attention=layout)).generate_branches(p, 2, q)
+             for p, q in zip(prompts, params)]
+    calls = []
+    real = sampling.choose_next_tokens
+    counting = lambda *args: calls.append(args[0].shape[0]) or real(*args)  # noqa: E731
+    monkeypatch.setattr(sampling, "choose_next_tokens", counting)
+    monkeypatch.setattr(scheduler, "choose_next_tokens", counting)
+    engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention=layout))
+    steps = 0
+    with engine.exclusive():
+        handles = [engine.submit(p, 2, q) for p, q in zip(prompts, params)]
+        while not all(h.done() for h in handles):
+            engine.scheduler.step()
+            steps += 1
+    got = [h.result() for h in handles]
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in a] for a in alone]
+    # Each request's first tokens come from its own prompt's logits; every decode step then makes one
+    # call for the 8 rows (before: one call per request, 4 a step).
+    assert calls.count(8) >= 5 and len(calls) <= steps + len(prompts), f"{len(calls)} calls in {steps} steps"
+
+
 @pytest.mark.slow
 def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tokenizer):
     """``decode_capture="compile"``: greedy requests of different lengths, one of which finishes
