@@ -205,21 +205,26 @@ def part_drafting(options: CheckOptions) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for job, (branches, params) in jobs.items():
         tokens, cells, walls = {}, {}, {}
-        for k in (0, 2, 4):
-            engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention="shared_prefix",
-                                                               scheduler=SchedulerConfig(draft_tokens=k)))
-            ids = engine.encode(prompt)
-            engine.generate_branches(ids, branches, params)  # warm; the prompt stays cached, so a run is its decode
-            engine.reset_stats()
-            start = time.perf_counter()
-            done = engine.generate_branches(ids, branches, params)
-            walls[k] = time.perf_counter() - start
-            tokens[k] = [c.token_ids for c in done]
-            stats = engine.stats()
-            cells[f"k{k}"] = cell = {"wall_s": round(walls[k], 3), "identical": tokens[k] == tokens[0],
-                                     "drafted": stats.drafted_tokens, "accepted": stats.accepted_draft_tokens}
-            print(f"drafting {job} ({branches} branches) k={k}: {walls[k]:.2f} s ({walls[0] / walls[k]:.2f}x), "
-                  f"accepted {cell['accepted']} of {cell['drafted']}, identical={cell['identical']}", flush=True)
+        for layout in ("shared_prefix", "static_rows"):
+            for k in (0, 2, 4):
+                arm = (layout, k)
+                engine = RKSCEngine(model, tokenizer, EngineConfig(decode_attention=layout,
+                                                                   scheduler=SchedulerConfig(draft_tokens=k)))
+                ids = engine.encode(prompt)
+                engine.generate_branches(ids, branches, params)  # warm; the prompt stays cached: a run is its decode
+                engine.reset_stats()
+                start = time.perf_counter()
+                done = engine.generate_branches(ids, branches, params)
+                walls[arm] = time.perf_counter() - start
+                tokens[arm] = [c.token_ids for c in done]
+                stats = engine.stats()
+                off = walls[(layout, 0)]
+                cells[f"{layout} k{k}"] = cell = {
+                    "wall_s": round(walls[arm], 3), "identical": tokens[arm] == tokens[("shared_prefix", 0)],
+                    "drafted": stats.drafted_tokens, "accepted": stats.accepted_draft_tokens}
+                print(f"drafting {job} ({branches} branches) {layout} k={k}: {walls[arm]:.2f} s "
+                      f"({off / walls[arm]:.2f}x its layout without drafts), accepted {cell['accepted']} of "
+                      f"{cell['drafted']}, identical={cell['identical']}", flush=True)
         out[job] = {"branches": branches, "max_new_tokens": new_tokens, "cells": cells}
     return out
 
