@@ -6,7 +6,8 @@ requests, a ``mix`` of both); on tiny configs of several families (``--families`
 costs almost nothing so the figures are each framework's own cost, and on the default model
 (``--default-model``). Arms: rksc with ``decode_attention="shared_prefix"`` (the default layout),
 ``"static_rows"``, and ``"static_rows"`` compiled (``decode_capture="compile"``, ``--compile``);
-``transformers``' ``generate`` on the same rows left-padded into one batch. Greedy, end-of-text off,
+``transformers``' ``generate`` on the same rows left-padded into one batch. Greedy (or sampled,
+``--temperature``), end-of-text off,
 arms alternating within each cell. Counts are exact; times only mean something with nothing else
 running:
 
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_count("--long", 36, "tokens of the long run (default 36)")
     parser.add_repeats(5)
     parser.add_argument("--no-time", action="store_true", help="counts only (no wall time)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature, top-p 0.95, request i seeded i "
+                             "(default 0: greedy)")
     args = parser.parse_args(argv)
     args.layouts = args.layouts.split(",")
     if args.long <= args.short or args.short < 2:
@@ -74,7 +78,7 @@ def measure_model(name: str, model, tokenizer, args: argparse.Namespace) -> list
             engines[arm] = RKSCEngine(model, tokenizer, config)
         for layout in args.layouts:
             for rows in args.rows:
-                work = workload(layout, rows, prompts_for(max(rows, 2)))
+                work = workload(layout, rows, prompts_for(max(rows, 2)), args.temperature)
                 runs = {arm: (generate_run(model, tokenizer, work) if arm == "generate" else engine_run(engines[arm], work))
                         for arm in arms}
                 cell = {"model": name, "layout": layout, "rows": rows}

@@ -63,16 +63,25 @@ def python_calls() -> Iterator[list[int]]:
 
 @dataclass(frozen=True)
 class Workload:
-    """The requests of one measurement: ``(prompt, branches)`` each, all greedy."""
+    """The requests of one measurement: ``(prompt, branches)`` each, greedy (``temperature`` 0) or
+    all sampled at ``temperature`` with top-p ``SAMPLED_TOP_P``, request ``i`` seeded ``i``."""
 
     layout: str
     rows: int
     requests: tuple[tuple[str, int], ...]
+    temperature: float = 0.0
 
 
-def workload(layout: str, rows: int, prompts: list[str]) -> Workload:
+# The nucleus of a sampled workload, as the ``rksc ask`` job samples.
+SAMPLED_TOP_P = 0.95
+
+
+def workload(layout: str, rows: int, prompts: list[str], temperature: float = 0.0) -> Workload:
     """``rows`` rows laid out as ``layout``: one request of ``rows`` branches (``siblings``), ``rows``
-    requests of one branch each (``independent``), or half of each (``mix``)."""
+    requests of one branch each (``independent``), or half of each (``mix``); sampled at
+    ``temperature`` (0: greedy)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if rows < 1:
@@ -86,7 +95,7 @@ def workload(layout: str, rows: int, prompts: list[str]) -> Workload:
     else:
         together = rows // 2
         requests = ([(prompts[0], together)] if together else []) + [(p, 1) for p in prompts[1:rows - together + 1]]
-    return Workload(layout, rows, tuple(requests))
+    return Workload(layout, rows, tuple(requests), temperature)
 
 
 @dataclass
@@ -173,10 +182,13 @@ def engine_run(engine: Any, work: Workload) -> Callable[[int], int]:
 
     def run(max_new_tokens: int) -> int:
         engine.clear_cache()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        sampled = work.temperature > 0
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=work.temperature,
+                                 top_p=SAMPLED_TOP_P if sampled else 1.0, seed=i if sampled else None)
+                  for i in range(len(work.requests))]
         with engine.exclusive():
             before = engine.scheduler.num_steps
-            handles = [engine.submit(prompt, n, params) for prompt, n in work.requests]
+            handles = [engine.submit(prompt, n, p) for (prompt, n), p in zip(work.requests, params)]
             results = [h.result() for h in handles]
             steps = engine.scheduler.num_steps - before
         lengths = {len(c.token_ids) for completions in results for c in completions}
@@ -189,7 +201,8 @@ def engine_run(engine: Any, work: Workload) -> Callable[[int], int]:
 
 def generate_run(model: Any, tokenizer: Any, work: Workload) -> Callable[[int], int]:
     """``run(max_new_tokens)`` for ``per_step``: ``transformers``' ``generate`` on the workload's
-    rows (each request's prompt once per branch) left-padded into one batch, greedy. Returns the
+    rows (each request's prompt once per branch) left-padded into one batch, greedy or sampled as the
+    workload is. Returns the
     decode steps (tokens generated per row, less the first, which the prefill's logits give)."""
     prompts = [prompt for prompt, n in work.requests for _ in range(n)]
     side = tokenizer.padding_side
@@ -199,10 +212,12 @@ def generate_run(model: Any, tokenizer: Any, work: Workload) -> Callable[[int], 
     finally:
         tokenizer.padding_side = side
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sampling = (dict(do_sample=True, temperature=work.temperature, top_p=SAMPLED_TOP_P, top_k=0)
+                if work.temperature > 0 else dict(do_sample=False))
 
     def run(max_new_tokens: int) -> int:
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
         generated = out.shape[1] - batch["input_ids"].shape[1]
         if generated != max_new_tokens:
             raise RuntimeError(f"generate stopped after {generated} tokens: turn end-of-text off (no_end_of_text)")
