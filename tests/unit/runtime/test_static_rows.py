@@ -159,6 +159,22 @@ def test_static_step_operator_calls_do_not_grow_with_the_requests():
     assert counts[16] == counts[2], f"a step of 16 requests made {counts[16]} operator calls, of 2 {counts[2]}"
 
 
+def pool_with_prompts(model, prompts: list[torch.Tensor], num_slots: int) -> StaticRowPool:
+    """A pool of ``num_slots`` slots holding each of ``prompts``' KV in a row of its own, next token 11."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pool = StaticRowPool(torch.device("cpu"), torch.float32)
+    pool.reserve(num_slots, 16, [(config.num_key_value_heads, head_dim)] * config.num_hidden_layers)
+    for prompt in prompts:
+        kept = new_kv_cache(config)
+        with torch.inference_mode():
+            model(input_ids=prompt, past_key_values=kept, use_cache=True)
+        handle = pool.rows(1)
+        pool.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
+        pool.next_tokens[handle.slots[0]] = 11
+    return pool
+
+
 def test_bucket_rows_pads_to_a_power_of_two_within_the_pools_slots():
     from rksc_engine.runtime.static_decode import bucket_rows
 
@@ -178,19 +194,7 @@ def test_a_step_padded_to_its_row_bucket_gives_the_live_rows_the_unpadded_logits
     plain = StaticStep(model, "cache", types, None)
     prompts = [torch.tensor([[5 + i, 9, 3 + 2 * i, 7][: 2 + i]]) for i in range(4)]
 
-    def pool_of(count: int) -> StaticRowPool:
-        pool = StaticRowPool(torch.device("cpu"), torch.float32)
-        pool.reserve(4, 16, [(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers)
-        for prompt in prompts[:count]:
-            kept = new_kv_cache(config)
-            with torch.inference_mode():
-                model(input_ids=prompt, past_key_values=kept, use_cache=True)
-            handle = pool.rows(1)
-            pool.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
-            pool.next_tokens[handle.slots[0]] = 11
-        return pool
-
-    a, b = pool_of(3), pool_of(3)
+    a, b = pool_with_prompts(model, prompts[:3], 4), pool_with_prompts(model, prompts[:3], 4)
     got = padded.logits(a, a.next_tokens)
     want = plain.logits(b, b.next_tokens)
     assert got.shape == want.shape == (3, config.vocab_size)
@@ -499,16 +503,7 @@ def test_compiled_steps_of_two_models_keep_their_graphs_apart():
         model = make_family_model(family)
         config = model.config
         step = StaticStep(model, "cache", layer_types(config), None, compiled=True)
-        pool = StaticRowPool(torch.device("cpu"), torch.float32)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        pool.reserve(2, 16, [(config.num_key_value_heads, head_dim)] * config.num_hidden_layers)
-        for prompt in prompts:
-            kept = new_kv_cache(config)
-            with torch.inference_mode():
-                model(input_ids=prompt, past_key_values=kept, use_cache=True)
-            handle = pool.rows(1)
-            pool.write_prompt(handle.slots, [(layer.keys, layer.values) for layer in kept.layers])
-            pool.next_tokens[handle.slots[0]] = 11
+        pool = pool_with_prompts(model, prompts, 2)
         step.logits(pool, pool.next_tokens)
         steps[family] = step
     assert graphs(steps["llama3"]) == 1, "the second model's step added its graph to the first's"
