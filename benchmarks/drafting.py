@@ -10,7 +10,8 @@ off, and each ``k`` of ``--ks`` with each source set of ``--sources``, per decod
 
 Workloads: ``few-shot``: the ``rksc ask`` job on the default model (its 8-shot synthetic GSM8K-style
 prompt and question, 8 branches sampled at temperature 0.7, top-p 0.95, ``<|im_end|>`` as the stop
-string, no monitor, no CGEE); ``agent turns`` (``--agent``): a tool-calling loop's greedy turns on
+string, no monitor, no CGEE); ``ladder`` (``--ladder``): the ladder's 8 questions asked that way, one
+after the other; ``agent turns`` (``--agent``): a tool-calling loop's greedy turns on
 the default model (``agent_job``); ``tiny``: the same chat prompt's worked examples as plain text on
 tiny-config families (``--families``), where a forward costs almost nothing and a step is host
 cost, the GPU's stand-in. Times only mean something with nothing else running:
@@ -33,7 +34,7 @@ from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfi
 from rksc_engine.config import DRAFT_SOURCES
 from rksc_engine.kvcache.cache_layers import new_kv_cache
 from rksc_engine.kvcache.static_rows import StaticRowPool
-from rksc_engine.evaluation.workloads import synthetic_problems
+from rksc_engine.evaluation.workloads import LADDER_LEVELS, ladder_problems, ladder_shots, synthetic_problems
 from rksc_engine.reasoning.few_shot import few_shot_messages
 
 QUESTION = "A farmer has 17 sheep and buys 3 times as many goats as sheep. How many animals does he have?"
@@ -70,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", default="shared_prefix",
                         help="comma-separated decode layouts (EngineConfig.decode_attention), of "
                              f"{list(LAYOUTS)}; each has its arm without drafting (default shared_prefix)")
+    parser.add_argument("--ladder", action="store_true",
+                        help="also run the ladder's 8 questions (2 per level) as the few-shot job runs its one")
     parser.add_argument("--agent", action="store_true",
                         help="also run an agent's tool-call turns on the default model (greedy, one branch, the "
                              "conversation sent again each turn, the loop run twice; the cache cleared before each run)")
@@ -130,23 +133,35 @@ def measure(label: str, engine: RKSCEngine, job: Callable[[RKSCEngine], list[tup
 
     timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats,
                                    before=None if before is None else (lambda arm: before()))
-    want = timings["off"].results[0]
+    def layout_off(arm: str) -> str:  # the arm without drafts of ``arm``'s layout
+        return "off " + arm.split(" ", 1)[1] if " " in arm else "off"
+
     cells = []
     for arm, timing in timings.items():
         delta = deltas[arm][-1]
         seconds = min(timing.runs_s)
         drafted = delta["drafted_tokens"]
+        want = timings[layout_off(arm)].results[0]
         cell = {"workload": label, "arm": arm, "identical": all(result == want for result in timing.results),
                 "runs_s": [round(s, 4) for s in timing.runs_s], "decode_tokens_per_s": delta["decode_tokens"] / seconds,
                 "acceptance": delta["accepted_draft_tokens"] / drafted if drafted else None, **delta}
         cells.append(cell)
-    off = next(c for c in cells if c["arm"] == "off")
+    by_arm = {cell["arm"]: cell for cell in cells}
     for cell in cells:
-        own_off = next(c for c in cells if c["arm"] == ("off " + cell["arm"].split(" ", 1)[1] if " " in cell["arm"] else "off"))
-        cell["speedup"] = cell["decode_tokens_per_s"] / off["decode_tokens_per_s"]
-        cell["speedup_in_layout"] = cell["decode_tokens_per_s"] / own_off["decode_tokens_per_s"]
+        cell["speedup"] = cell["decode_tokens_per_s"] / by_arm["off"]["decode_tokens_per_s"]
+        cell["speedup_in_layout"] = cell["decode_tokens_per_s"] / by_arm[layout_off(cell["arm"])]["decode_tokens_per_s"]
         print(format_cell(cell), flush=True)
     return {"workload": label, "cells": cells}
+
+
+def cached(engine: RKSCEngine, prompts: list[Any]) -> Callable[[], None]:
+    """A ``before`` for ``measure``: the cache cleared, then ``prompts`` cached, so every run is its
+    decode and no run finds an earlier run's answer in the cache (the ``"cache"`` source's)."""
+    def before() -> None:
+        engine.clear_cache()
+        for prompt in prompts:
+            engine.warm_cache(prompt)
+    return before
 
 
 def branches_job(prompt: Any, args: argparse.Namespace) -> Callable[[RKSCEngine], list[tuple[int, ...]]]:
@@ -154,6 +169,15 @@ def branches_job(prompt: Any, args: argparse.Namespace) -> Callable[[RKSCEngine]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=0.95,
                             seed=args.seed, stop=("<|im_end|>",))
     return lambda engine: [c.token_ids for c in engine.generate_branches(prompt, args.branches, params)]
+
+
+def ladder_job(args: argparse.Namespace) -> tuple[list[Any], Callable[[RKSCEngine], list[tuple[int, ...]]]]:
+    """The ladder's 8 questions (2 per level, ``ladder_problems`` seed 0) each asked as the few-shot
+    job asks its question (``branches_job``), one after the other; returns the prompts and the job."""
+    shots = ladder_shots(args.shots, seed=1)
+    prompts = [few_shot_messages(problem.question, shots) for problem in ladder_problems(2, LADDER_LEVELS, seed=0)]
+    jobs = [branches_job(prompt, args) for prompt in prompts]
+    return prompts, lambda engine: [tokens for job in jobs for tokens in job(engine)]
 
 
 def agent_job(engine: RKSCEngine) -> list[tuple[int, ...]]:
@@ -184,7 +208,7 @@ def verify_curve(engine: RKSCEngine, messages: Any, args: argparse.Namespace) ->
     engine.runner.decode_layout()  # builds the static step
     step, model, tokenizer = engine.runner.static_step, engine.model, engine.tokenizer
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=model.device)
     kept = new_kv_cache(model.config)
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=kept, use_cache=True)
@@ -194,7 +218,8 @@ def verify_curve(engine: RKSCEngine, messages: Any, args: argparse.Namespace) ->
         pool = StaticRowPool(prompt.device, next(model.parameters()).dtype)
         pool.reserve(rows, prompt.shape[1] + 16, [(k.shape[1], k.shape[3]) for k, _ in kv])
         pool.write_prompt(pool.rows(rows).slots, kv)
-        arms = {width: (lambda width=width: step.drafted_logits(pool, torch.full((rows, width), 7)))
+        last = engine.context_window - 1
+        arms = {width: (lambda width=width: step.drafted_logits(pool, torch.full((rows, width), 7, device=model.device), last))
                 for width in (1, 3, 5, 9)}
         timings = harness.side_by_side(arms, max(args.repeats, 5))
         one = statistics.median(timings[1].runs_s)
@@ -225,8 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         engine = harness.load_engine(args)
         harness.warm_up(engine)
         prompt = few_shot_messages(QUESTION, shots)
-        engine.generate_branches(prompt, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
-        results.append(measure("few-shot", engine, branches_job(prompt, args), args))
+        results.append(measure("few-shot", engine, branches_job(prompt, args), args, before=cached(engine, [prompt])))
+        if args.ladder:
+            prompts, job = ladder_job(args)
+            results.append(measure("ladder", engine, job, args, before=cached(engine, prompts)))
         if args.agent:
             results.append(measure("agent turns", engine, agent_job, args, before=engine.clear_cache))
         if args.curve:
@@ -239,8 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         text = example + text
     for name in args.families:
         engine = RKSCEngine(make_family_model(name), char_tokenizer())
-        engine.generate_branches(text, args.branches, SamplingParams(max_new_tokens=2))  # caches the prompt
-        results.append(measure(f"tiny {name}", engine, branches_job(text, args), args))
+        results.append(measure(f"tiny {name}", engine, branches_job(text, args), args, before=cached(engine, [text])))
     harness.write_json(args.json_out, {"arguments": vars(args), "workloads": results, "verify_curve": curve})
 
 

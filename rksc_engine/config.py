@@ -447,7 +447,8 @@ class SchedulerConfig:
             drafting request's branches decode as one-row members), ``static_rows`` for every row
             (each keeps its own length; its drafted steps run eagerly, ``decode_capture`` or not);
             with ``decode_attention="dynamic_cache"`` a value above 0 is refused.
-        draft_sources: Where drafts come from, tried in this order: ``"prompt"`` (the branch's own
+        draft_sources: Where drafts come from (the n-gram sources tried in this order, ``"cache"``
+            first): ``"prompt"`` (the branch's own
             prompt and the tokens it has generated, as prompt lookup decoding does),
             ``"siblings"`` (the tokens the other branches of the same request have generated) and
             ``"cache"`` (what an earlier request went on with after the branch's whole context, where

@@ -199,7 +199,7 @@ class ModelRunner:
         step = self.static_step
         if step is None:
             raise RuntimeError("decode_static_drafted before decode_layout() chose static rows")
-        return self.run_with_oom_retry(lambda: step.drafted_logits(pool, inputs), None)
+        return self.run_with_oom_retry(lambda: step.drafted_logits(pool, inputs, self.context_window - 1), None)
 
     def run_decoder(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The decoder body (no LM head) over ``input_ids`` (B, T) after ``cache``; returns the final

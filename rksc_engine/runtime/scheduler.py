@@ -409,7 +409,7 @@ class Scheduler:
         ordinary one."""
         pool, config = self.kv.static_pool, self._config
         try:
-            self.kv.make_room(config.draft_tokens + 1)
+            self.kv.make_room()
             order, row_ranges, slots = static_row_order(pool, static)
             plans = None
             if config.draft_tokens:
@@ -418,7 +418,8 @@ class Scheduler:
                                          config.draft_sources, self._cached_tokens)
             if plans is None:
                 logits = forward_static_rows(self.runner, pool, order, slots)
-            else:
+            else:  # room for the widest row's positions (no holes now: nothing moves)
+                self.kv.make_room(max(plan.width for plan in plans))
                 logits = forward_static_drafted(self.runner, pool, order, slots, plans, next_ids)
         except Exception as error:
             self._decode_failed(error, running, static)
@@ -433,42 +434,54 @@ class Scheduler:
                 self._run_guarded(request, lambda r=request, p=plan, s=start, e=stop:
                                   self._advance_static_verified(r, logits[s:e], p))
             else:  # its rows' tokens from their first position, as in an ordinary step
-                pool.advance_by(request.cache.slots, [1] * len(request.cache.slots))
-                self._advance_or_fail(request, logits[start:stop, 0])
+                self._run_guarded(request, lambda r=request, s=start, e=stop:
+                                  self._advance_static_first(r, logits[s:e, 0]))
+
+    def _advance_static_first(self, request: Request, logits: torch.Tensor) -> bool:
+        """Advance ``request`` (on static rows, not drafting) by its rows' first positions of a
+        drafted step, as an ordinary step would: each slot keeps the KV of its next token only."""
+        self.kv.static_pool.advance_by(request.cache.slots, [1] * len(request.cache.slots))
+        return self._advance(request, logits)
 
     def _advance_static_verified(self, request: Request, logits: torch.Tensor, plan: StepInputs) -> bool:
         """Advance ``request`` (on static rows) by what each of its rows verified in a drafted step
-        (``drafted_step.verify``): record and stream each row's tokens, keep in its slot the KV of
-        its known token and the draft tokens it accepted, retire the rows that finished.
-        ``logits``: (R, T, V). Returns whether it still has rows."""
-        params, counters, pool = request.params, self.counters, self.kv.static_pool
+        (``drafted_step.verify``): each row's tokens recorded (``_take_verified``), its slot keeping
+        the KV of the tokens it fed that it took, its next token the last it took; the rows that
+        finished retire. ``logits``: (R, T, V). Returns whether it still has rows."""
+        pool = self.kv.static_pool
         generators = [request.generators[b] for b in request.active] if request.generators else []
-        taken = verify(logits, plan, params, generators)
-        kept, appended_all = [], 0
-        for b, draft, (tokens, logprobs) in zip(request.active, plan.drafts, taken):
-            branch = request.branches[b]
-            appended = 0
-            for token, logprob in zip(tokens, logprobs):
-                append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids,
-                             self.detokenizer)
-                appended += 1
-                if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
-                    break
-            accepted = min(appended, len(tokens) - 1)
-            appended_all += appended
-            kept.append(1 + accepted)  # its next token's KV and the accepted draft's
-            self._count_draft(branch, draft, accepted)
-            if request.stream:
-                emit(request, branch)
-        counters.count("decode_tokens", appended_all)
+        taken = verify(logits, plan, request.params, generators)
+        kept = [self._take_verified(request, b, draft, tokens, logprobs)
+                for b, draft, (tokens, logprobs) in zip(request.active, plan.drafts, taken)]
         slots = request.cache.slots
         pool.advance_by(slots, kept)
         pool.next_tokens.index_copy_(0, torch.tensor(slots, device=pool.device),
                                      torch.tensor([tokens[-1] for tokens, _ in taken], device=pool.device))
-        if not stop_branches(request, counters, self.runner.device):
+        if not stop_branches(request, self.counters, self.runner.device):
             self._member_done(request)
             return False
         return True
+
+    def _take_verified(self, request: Request, b: int, draft: Draft | None, tokens: list[int],
+                       logprobs: list[float]) -> int:
+        """Record branch ``b``'s tokens taken in a drafted step (``drafted_step.verify``), up to the
+        one that finishes it (nothing after it is taken, as without a draft), stream them, count its
+        draft. Returns the positions of the step whose KV it keeps: one per token taken, since each
+        token it took but the last was fed at the position after the one it was chosen at (its next
+        token, then the draft's tokens), and a finished branch's last token is never fed."""
+        params, branch = request.params, request.branches[b]
+        appended = 0
+        for token, logprob in zip(tokens, logprobs):
+            append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids,
+                         self.detokenizer, request.watched)
+            appended += 1
+            if branch.finish_reason is not None:
+                break
+        self.counters.count("decode_tokens", appended)
+        self._count_draft(branch, draft, min(appended, len(tokens) - 1))
+        if request.stream:
+            emit(request, branch)
+        return appended
 
     def _count_draft(self, branch: Branch, draft: Draft | None, accepted: int) -> None:
         """Count what ``branch``'s ``draft`` (if it had one) proposed and how much of it it kept."""
@@ -580,24 +593,12 @@ class Scheduler:
         (``drafted_step.verify``): record and stream its tokens, keep the KV of its known token and
         the draft tokens it accepted, retire it when it has finished. ``logits``: (1, T, V); ``length``:
         its suffix length before the step. Returns whether it still has its row."""
-        params, counters = request.params, self.counters
         generators = [request.generators[b] for b in request.active] if request.generators else []
-        (tokens, logprobs), = verify(logits, plan, params, generators)
-        branch, draft = request.branches[request.active[0]], plan.drafts[0]
-        appended = 0
-        for token, logprob in zip(tokens, logprobs):
-            append_token(branch, token, logprob, params, request.max_new, self.runner.eos_token_ids, self.detokenizer)
-            appended += 1
-            if branch.finish_reason is not None:  # nothing after it is taken, as without a draft
-                break
-        accepted = min(appended, len(tokens) - 1)
-        counters.count("decode_tokens", appended)
-        self._count_draft(branch, draft, accepted)
-        roll_back([request], [length + 1 + accepted])  # its next token's KV and the accepted draft's
+        (tokens, logprobs), = verify(logits, plan, request.params, generators)
+        kept = self._take_verified(request, request.active[0], plan.drafts[0], tokens, logprobs)
+        roll_back([request], [length + kept])
         request.next_tokens = torch.tensor([tokens[-1]], device=self.runner.device)
-        if request.stream:
-            emit(request, branch)
-        if not stop_branches(request, counters, self.runner.device):
+        if not stop_branches(request, self.counters, self.runner.device):
             self._member_done(request)
             return False
         return True

@@ -75,14 +75,16 @@ class StaticStep:
         return made[self.kinds[0]] if len(made) == 1 else made
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 keys: list[torch.Tensor], values: list[torch.Tensor], key_length: int) -> torch.Tensor:
+                 keys: list[torch.Tensor], values: list[torch.Tensor], key_length: int,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # The masks are built here, inside what ``torch.compile`` compiles, so a compiled step runs
         # them in its kernels rather than as eager operators before it.
         masks = self.masks(positions, key_length, keys[0].dtype)
         cache = StaticRowsCache(keys, values, positions, key_length)
         # A decode step keeps the last position's logits; a drafted step keeps every position's.
         keep = 1 if input_ids.shape[1] == 1 else 0
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=masks,
+        out = self.model(input_ids=input_ids, position_ids=positions if position_ids is None else position_ids,
+                         attention_mask=masks,
                          use_cache=True, logits_to_keep=keep, **{self.cache_kwarg: cache})
         return out.logits
 
@@ -102,17 +104,20 @@ class StaticStep:
         return logits[:top] if rows > top else logits
 
     @torch.inference_mode()
-    def drafted_logits(self, pool: StaticRowPool, inputs: torch.Tensor) -> torch.Tensor:
+    def drafted_logits(self, pool: StaticRowPool, inputs: torch.Tensor, last_position: int) -> torch.Tensor:
         """One drafted step of the rows ``[0, pool.top)``: feeds row ``i``'s ``inputs[i]`` (top, T)
         (its next token, then its draft, padded) at its positions from its length on, writes their
         KV into the pool, and returns every position's logits (top, T, V). The pool's lengths are the
         caller's to advance by what each row keeps (``StaticRowPool.advance_by``); the rest of what
-        a row wrote lies past its length, where no mask shows it. It runs eagerly, compiled or not:
-        its width changes from step to step, and each would be a shape to build."""
+        a row wrote lies past its length, where no mask shows it. The model is given positions up to
+        ``last_position`` (its context's last): a row's padding may run past it, and nobody reads
+        what the padding gives. It runs eagerly, compiled or not: its width changes from step to
+        step, and each would be a shape to build."""
         top, width = inputs.shape
-        positions = pool.lengths[:top, None] + torch.arange(width, device=inputs.device)[None, :]
+        positions = pool.lengths[:top, None] + torch.arange(width, device=pool.device)[None, :]
         self.num_steps += 1
-        return self._forward(inputs, positions, pool.keys, pool.values, pool.key_length(width))
+        return self._forward(inputs, positions, pool.keys, pool.values, pool.key_length(width),
+                             positions.clamp_max(last_position))
 
 
 def _compiled_method(owner: Any, name: str) -> Any:

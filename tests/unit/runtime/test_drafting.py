@@ -11,6 +11,7 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
+from rksc_engine.runtime.handle import BranchControl
 from rksc_engine.runtime.drafted_step import StepInputs, verify
 from rksc_engine.runtime.drafts import Draft, DraftIndex, NgramIndex
 from rksc_engine.runtime.sampling import choose_next_tokens
@@ -212,9 +213,19 @@ def test_on_static_rows_every_branch_of_a_request_drafts_as_a_row_of_it():
     want = token_ids(RKSCEngine(model, tokenizer).generate_branches(PROMPT, 4, SAMPLED))
     engine = RKSCEngine(model, tokenizer, drafting(sources=("siblings",), decode_attention="static_rows"))
     handle = engine.submit(PROMPT, 4, SAMPLED)
+    pool = engine.scheduler.kv.static_pool
     with engine.exclusive():
         engine.scheduler.step()
         assert [len(m.active) for m in engine.scheduler.requests.decoding()] == [4], "its branches were split"
+        while not handle.done():
+            engine.scheduler.step()
+            for request in engine.scheduler.requests.decoding():  # each row holds its tokens but the last
+                # A row's next token is in the pool, or still to be written there (``next_tokens``).
+                pending = request.next_tokens
+                for row, (slot, b) in enumerate(zip(request.cache.slots, request.active)):
+                    tokens = request.branches[b].token_ids
+                    assert pool.length(slot) == len(request.head.prompt_ids) + len(tokens) - 1
+                    assert int(pool.next_tokens[slot] if pending is None else pending[row]) == tokens[-1]
     assert token_ids(handle.result()) == want
     stats = engine.stats()
     assert stats.extra.get("accepted_draft_tokens_siblings", 0) > 0, "no sibling's text was ever a right guess"
@@ -222,6 +233,7 @@ def test_on_static_rows_every_branch_of_a_request_drafts_as_a_row_of_it():
     assert stats.draft_forwards > 0
 
 
+@pytest.mark.slow
 def test_a_compiled_static_step_drafts_and_keeps_the_tokens():
     model, tokenizer = make_family_model("llama3"), char_tokenizer()
     cases = [(GREEDY, 1), (SAMPLED, 3)]
@@ -253,6 +265,60 @@ def test_a_request_that_comes_again_drafts_what_the_cache_kept_of_its_first_answ
     sampled = SamplingParams(max_new_tokens=40, temperature=0.8, seed=2)
     assert token_ids(engine.generate_branches(prompt, 3, sampled)) == token_ids(
         RKSCEngine(model, tokenizer).generate_branches(prompt, 3, sampled))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_branch_that_stops_inside_its_draft_keeps_the_kv_of_its_tokens_before_the_last(layout, monkeypatch):
+    """A stop string met on an accepted draft token ends the branch there; its KV must hold its
+    prompt and its tokens but the last, as without drafts, or its answer is not cached."""
+    model, tokenizer = make_tiny_model(2), make_char_tokenizer()
+    prompt = "The quick brown fox jumps over"
+    engine = RKSCEngine(model, tokenizer, drafting(draft_tokens=8, sources=("cache",), decode_attention=layout))
+    first = engine.generate(prompt, GREEDY)  # its answer is cached: the next request drafts it
+    offset = next(i for i in range(3, 8) if first.text.find(first.text[i:i + 3]) == i)
+    stop = first.text[offset:offset + 3]  # met on a token of the first draft (tokens 1 to 8)
+    prompt_ids = engine.encode(prompt)
+    inserted = []
+    real = engine.prefix_cache.insert
+    monkeypatch.setattr(engine.prefix_cache, "insert",
+                        lambda ids, *args, **kwargs: inserted.append(list(ids)) or real(ids, *args, **kwargs))
+    stopped = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop=(stop,)))
+    assert stopped.finish_reason == "stop" and stopped.accepted_draft_tokens > 0
+    assert stopped.token_ids == first.token_ids[:len(stopped.token_ids)]
+    assert prompt_ids + list(stopped.token_ids[:-1]) in inserted, "the stopped answer's KV had the wrong length"
+
+
+class AddsABranchThenFails:
+    """A monitor (its request may not draft) that adds a branch at once and raises two steps later."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def observe(self, events):
+        self.calls += 1
+        if self.calls >= 3:
+            raise ValueError("the monitor failed")
+        return BranchControl(add=1) if self.calls == 1 else None
+
+
+def test_a_request_that_fails_in_a_drafted_static_step_fails_alone():
+    """On static rows, a request with a monitor fails in a step where another request drafts: its
+    added branch's wave is gone with it, and the drafting request and the pool go on as before."""
+    model, tokenizer = make_family_model("llama3"), char_tokenizer()
+    want = RKSCEngine(model, tokenizer).generate(PROMPT, GREEDY).token_ids
+    engine = RKSCEngine(model, tokenizer, drafting(draft_tokens=8, sources=("cache",), decode_attention="static_rows"))
+    engine.generate(PROMPT, GREEDY)  # cached: the greedy request below drafts at every step
+    engine.reset_stats()
+    with engine.exclusive():  # admitted together, decoded together: the failing one, its wave, the drafting one
+        failing = engine.submit(PROMPT, 1, SamplingParams(max_new_tokens=40, temperature=0.8, seed=1),
+                                monitor=AddsABranchThenFails(), max_branches=2)
+        drafting_request = engine.submit(PROMPT, 1, GREEDY)
+    with pytest.raises(ValueError, match="the monitor failed"):
+        failing.result(timeout=60)
+    assert drafting_request.result(timeout=60)[0].token_ids == want
+    stats = engine.stats()
+    assert stats.draft_forwards > 0 and stats.running_kv_bytes == 0
+    assert engine.generate(PROMPT, GREEDY).token_ids == want, "the engine is not usable after it"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

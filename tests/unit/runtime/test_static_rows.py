@@ -487,6 +487,7 @@ def test_a_compiled_static_step_decodes_as_the_eager_one_and_as_transformers(tok
     assert compiled.runner.static_step.compiled and compiled.runner.static_step.num_steps > 0
 
 
+@pytest.mark.slow
 def test_compiled_steps_of_two_models_keep_their_graphs_apart():
     """Dynamo counts its graphs per code object and, past its recompile limit (8), runs a step
     eagerly without a word: two models' compiled steps must not share one code object's graphs, or
