@@ -133,6 +133,7 @@ def measure(label: str, engine: RKSCEngine, job: Callable[[RKSCEngine], list[tup
 
     timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats,
                                    before=None if before is None else (lambda arm: before()))
+
     def layout_off(arm: str) -> str:  # the arm without drafts of ``arm``'s layout
         return "off " + arm.split(" ", 1)[1] if " " in arm else "off"
 
@@ -190,7 +191,7 @@ def agent_job(engine: RKSCEngine) -> list[tuple[int, ...]]:
     for _ in range(2):
         messages = [{"role": "system", "content": AGENT_SYSTEM}, *AGENT_EXAMPLE]
         question = f"Result: 0.99 dollars. What does {AGENT_ITEMS[0]} cost?"
-        for turn, item in enumerate(AGENT_ITEMS):
+        for turn in range(len(AGENT_ITEMS)):
             messages.append({"role": "user", "content": question})
             answer = engine.generate(messages, params)
             tokens.append(answer.token_ids)

@@ -70,9 +70,13 @@ def forward_static_rows(runner: ModelRunner, pool: StaticRowPool, order: list[in
     logits = runner.decode_static(pool)  # (top, V)
     live = torch.zeros(pool.top, dtype=torch.long, device=pool.device).index_fill_(0, slots, 1)
     pool.advance(live, order)
-    if order != list(range(pool.top)):  # rows in another order than their slots
-        logits = logits.index_select(0, slots)
-    return logits
+    return in_row_order(logits, order, slots)
+
+
+def in_row_order(logits: torch.Tensor, order: list[int], slots: torch.Tensor) -> torch.Tensor:
+    """A static-rows step's ``logits`` (one per slot of ``[0, top)``) as the rows ``order`` (their
+    slots, also as the tensor ``slots``) come: a copy only when they come in another order."""
+    return logits if order == list(range(logits.shape[0])) else logits.index_select(0, slots)
 
 
 def suffix_lengths(requests: Sequence[Request]) -> list[int]:

@@ -32,6 +32,7 @@ from ..config import SamplingParams
 from ..kvcache.batch_decode import BatchDecodeCache
 from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
 from ..kvcache.static_rows import StaticRowPool
+from .batch_forward import in_row_order
 from .drafts import Draft, DraftIndex
 from .model_runner import ModelRunner
 from .request import Request
@@ -61,6 +62,11 @@ class StepInputs:
     def width(self) -> int:
         return max(len(row) for row in self.rows)
 
+    def padded(self, width: int) -> list[list[int]]:
+        """Its rows padded to ``width`` positions with their last input (causal attention within a
+        row leaves everything before the padding as it is)."""
+        return [row + [row[-1]] * (width - len(row)) for row in self.rows]
+
 
 def may_draft(request: Request) -> bool:
     """Whether ``request``'s branches may draft: nothing watches its tokens one step at a time (a
@@ -86,35 +92,19 @@ def propose_drafts(request: Request, draft_tokens: int, sources: Sequence[str], 
     return drafts
 
 
-def plan_step(requests: Sequence[Request], draft_tokens: int, sources: Sequence[str],
-              cached: CachedTokens | None = None) -> list[StepInputs] | None:
+def plan_step(requests: Sequence[Request], next_ids: Sequence[int], draft_tokens: int, sources: Sequence[str],
+              cached: CachedTokens | None = None, *, every_row: bool = False) -> list[StepInputs] | None:
     """Each of ``requests``' inputs to a drafted step, drafts proposed now for the rows of the
-    requests that may draft and decode one row (``may_draft``); None when no row has a draft (an
-    ordinary step then does the same work in one position a row)."""
-    next_ids = torch.cat([r.next_tokens for r in requests]).tolist()  # one read for the batch
-    plans, start, drafted = [], 0, False
-    for request in requests:
-        rows = len(request.active)
-        ids, start = next_ids[start:start + rows], start + rows
-        if rows != 1 or not may_draft(request):
-            plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
-            continue
-        drafts = propose_drafts(request, draft_tokens, sources, cached)
-        drafted = drafted or drafts[0] is not None
-        plans.append(StepInputs([[ids[0], *(drafts[0].tokens if drafts[0] is not None else ())]], drafts, True))
-    return plans if drafted else None
-
-
-def plan_static_step(requests: Sequence[Request], next_ids: Sequence[int], draft_tokens: int,
-                     sources: Sequence[str], cached: CachedTokens | None = None) -> list[StepInputs] | None:
-    """``plan_step`` for requests on static rows, whose rows each keep their own length, so every
-    row of a request that may draft drafts (no row waits for a sibling). ``next_ids``: the rows'
-    next tokens, in the requests' order."""
+    requests that may draft (``may_draft``); None when no row has a draft (an ordinary step then
+    does the same work in one position a row). ``next_ids``: the rows' next tokens, in the
+    requests' order. ``every_row``: every row of a request drafts (static rows, each keeping its own
+    length); else only a request of one row does (shared prefix: a request's rows share one suffix
+    length, so a row could not keep more of its draft than its siblings)."""
     plans, start, drafted = [], 0, False
     for request in requests:
         rows = len(request.active)
         ids, start = list(next_ids[start:start + rows]), start + rows
-        if not may_draft(request):
+        if not may_draft(request) or (rows != 1 and not every_row):
             plans.append(StepInputs([[t] for t in ids], [None] * rows, False))
             continue
         drafts = propose_drafts(request, draft_tokens, sources, cached)
@@ -131,7 +121,7 @@ def forward_drafted(runner: ModelRunner, requests: Sequence[Request], plans: Seq
     and each request's rows in them. Every request's KV grows by ``T``: roll it back after."""
     cache = BatchDecodeCache([r.cache for r in requests])
     width = max(plan.width for plan in plans)
-    rows = [row + [row[-1]] * (width - len(row)) for plan in plans for row in plan.rows]
+    rows = [row for plan in plans for row in plan.padded(width)]
     device = runner.device
     input_ids = torch.tensor(rows, device=device)  # (B, T)
     positions = cache.position_ids(device) + torch.arange(width, device=device)[None, :]  # (B, T)
@@ -150,12 +140,10 @@ def forward_static_drafted(runner: ModelRunner, pool: StaticRowPool, order: list
     caller's to advance by what each row keeps."""
     width = max(plan.width for plan in plans)
     inputs = [[token] * width for token in next_ids[:pool.top]]
-    for slot, row in zip(order, (row for plan in plans for row in plan.rows)):
-        inputs[slot] = row + [row[-1]] * (width - len(row))
+    for slot, row in zip(order, (row for plan in plans for row in plan.padded(width))):
+        inputs[slot] = row
     logits = runner.decode_static_drafted(pool, torch.tensor(inputs, device=pool.device))  # (top, T, V)
-    if order != list(range(pool.top)):
-        logits = logits.index_select(0, slots)
-    return logits
+    return in_row_order(logits, order, slots)
 
 
 def verify(logits: torch.Tensor, plan: StepInputs, params: SamplingParams, generators: list[torch.Generator]

@@ -184,8 +184,14 @@ class Request:
     replay: Replay = field(default_factory=Replay)
     # Set when it starts decoding: whether anything reads its branches while they run (a stream, a
     # stop string, a monitor, a logits processor). Unwatched, a branch's text is decoded once, when
-    # it ends, and a greedy one is advanced with the others in one loop.
+    # it ends, and one whose tokens are chosen with others' (``sampling.batch_choices``) is advanced
+    # with them in one loop.
     watched: bool = True
+
+    @property
+    def row_generators(self) -> list[torch.Generator]:
+        """Its rows' generators, in row order (none when greedy)."""
+        return [self.generators[b] for b in self.active] if self.generators else []
 
     @property
     def shared_prefix(self) -> bool:

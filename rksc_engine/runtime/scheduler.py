@@ -62,8 +62,7 @@ from .batch_forward import forward_rows, forward_static_rows, roll_back, static_
 from .branch_output import append_token, completion, emit, end_if_done, finish_text
 from .cpu_threads import release_openmp_workers
 from .detokenize import Detokenizer
-from .drafted_step import (StepInputs, forward_drafted, forward_static_drafted, may_draft, plan_static_step, plan_step,
-                           verify)
+from .drafted_step import StepInputs, forward_drafted, forward_static_drafted, may_draft, plan_step, verify
 from .drafts import Draft
 from .handle import BranchMonitor, LogitsProcessor, RequestCancelled, RequestChannel, RequestHandle
 from .lock import EngineLock
@@ -368,8 +367,8 @@ class Scheduler:
         for request in running:  # by the cache each decodes in
             (static if request.static else batched if request.shared else alone).append(request)
         config = self._config
-        plans = (plan_step(batched, config.draft_tokens, config.draft_sources, self._cached_tokens)
-                 if config.draft_tokens and batched else None)
+        plans = (plan_step(batched, torch.cat([r.next_tokens for r in batched]).tolist(), config.draft_tokens,
+                           config.draft_sources, self._cached_tokens) if config.draft_tokens and batched else None)
         mixed = self.admission.forward_with_pack(batched, pack) if batched and pack and plans is None else None
         prefilled: list[Prefilled] | None = None
         stepped: tuple[torch.Tensor, list[tuple[int, int]]] | None = None  # the rows' logits and ranges
@@ -405,7 +404,7 @@ class Scheduler:
 
     def _decode_static(self, running: list[Request], static: list[Request]) -> None:
         """The rows of ``static`` (requests on static rows) one step further: a drafted step
-        (``drafted_step.plan_static_step``) when drafting is on and a row has a draft, else an
+        (``drafted_step.plan_step``, every row drafting) when drafting is on and a row has a draft, else an
         ordinary one."""
         pool, config = self.kv.static_pool, self._config
         try:
@@ -414,8 +413,8 @@ class Scheduler:
             plans = None
             if config.draft_tokens:
                 next_ids = pool.next_tokens[:pool.top].tolist()
-                plans = plan_static_step(static, [next_ids[s] for s in order], config.draft_tokens,
-                                         config.draft_sources, self._cached_tokens)
+                plans = plan_step(static, [next_ids[s] for s in order], config.draft_tokens, config.draft_sources,
+                                  self._cached_tokens, every_row=True)
             if plans is None:
                 logits = forward_static_rows(self.runner, pool, order, slots)
             else:  # room for the widest row's positions (no holes now: nothing moves)
@@ -449,8 +448,7 @@ class Scheduler:
         the KV of the tokens it fed that it took, its next token the last it took; the rows that
         finished retire. ``logits``: (R, T, V). Returns whether it still has rows."""
         pool = self.kv.static_pool
-        generators = [request.generators[b] for b in request.active] if request.generators else []
-        taken = verify(logits, plan, request.params, generators)
+        taken = verify(logits, plan, request.params, request.row_generators)
         kept = [self._take_verified(request, b, draft, tokens, logprobs)
                 for b, draft, (tokens, logprobs) in zip(request.active, plan.drafts, taken)]
         slots = request.cache.slots
@@ -501,8 +499,7 @@ class Scheduler:
         ones with the same settings) take their tokens from one call for all (``batch_choices``),
         read to the host once; with ``pool`` (static rows, ``slots`` each row's), those tokens go
         into the pool's next tokens in one write. The work per request is then Python only."""
-        choosers = [(None if r.logits_processor is not None else r.params,
-                     [r.generators[b] for b in r.active] if r.generators else []) for r in requests]
+        choosers = [(None if r.logits_processor is not None else r.params, r.row_generators) for r in requests]
         choices = batch_choices(logits, choosers, row_ranges)
         if choices is not None:
             tokens, logprobs, chosen = choices
@@ -593,8 +590,7 @@ class Scheduler:
         (``drafted_step.verify``): record and stream its tokens, keep the KV of its known token and
         the draft tokens it accepted, retire it when it has finished. ``logits``: (1, T, V); ``length``:
         its suffix length before the step. Returns whether it still has its row."""
-        generators = [request.generators[b] for b in request.active] if request.generators else []
-        (tokens, logprobs), = verify(logits, plan, request.params, generators)
+        (tokens, logprobs), = verify(logits, plan, request.params, request.row_generators)
         kept = self._take_verified(request, request.active[0], plan.drafts[0], tokens, logprobs)
         roll_back([request], [length + kept])
         request.next_tokens = torch.tensor([tokens[-1]], device=self.runner.device)
@@ -665,8 +661,7 @@ class Scheduler:
         else:
             if request.logits_processor is not None:
                 logits = request.logits_processor([request.branches[b].token_ids for b in request.active], logits)
-            generators = [request.generators[b] for b in request.active] if request.generators else []
-            next_tokens, logprobs = choose_next_tokens(logits, params, generators)
+            next_tokens, logprobs = choose_next_tokens(logits, params, request.row_generators)
             token_list, logprob_list = next_tokens.tolist(), logprobs.tolist()
         for row, b in enumerate(request.active):
             append_token(request.branches[b], token_list[row], logprob_list[row], params, request.max_new,
@@ -727,7 +722,7 @@ class Scheduler:
         # takes branch 0, waves the others): a member's rows share one suffix length, so only a
         # branch alone keeps every draft token it verified.
         split = (self._config.draft_tokens > 0 and request.n > 1 and may_draft(request) and request.shared_prefix
-                 and request.layout is not DecodeLayout.STATIC_ROWS and SharedPrefixCache.can_share(prefilled.cache))
+                 and SharedPrefixCache.can_share(prefilled.cache))
         rows = 1 if split else request.n
         forks = branching.max_branches > request.n or split
         # On the plain path (the model or this prompt cannot share), later waves copy the batch-1 prompt
