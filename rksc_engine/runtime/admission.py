@@ -237,9 +237,16 @@ class Admission:
         return result
 
 
+# Fewer shared tokens than this are computed again in the pack rather than cached by a forward of
+# their own: a forward's fixed cost outweighs a few tokens (SGLang's in-batch prefix check uses the
+# same order of threshold).
+MIN_SHARED_TO_SPLIT_PACK = 32
+
+
 def shares_uncached_prefix(prompt_ids: list[int], cached: int, pack: Sequence[Request]) -> bool:
-    """Whether ``prompt_ids`` begins with more of a packed prompt than the ``cached`` tokens the radix
-    cache holds of it: prefilled in the same pack, it would compute that shared part again instead
-    of reusing it. (The cache never serves a prompt's last token, so neither would the pack.)"""
-    return any(common_prefix_length(prompt_ids, other.prompt_ids, limit=len(prompt_ids) - 1) > cached
-               for other in pack)
+    """Whether ``prompt_ids`` begins with at least ``MIN_SHARED_TO_SPLIT_PACK`` tokens of a packed
+    prompt beyond the ``cached`` tokens the radix cache holds of it: prefilled in the same pack, it
+    would compute that shared part again instead of reusing it. (The cache never serves a prompt's
+    last token, so neither would the pack.)"""
+    return any(common_prefix_length(prompt_ids, other.prompt_ids, limit=len(prompt_ids) - 1) - cached
+               >= MIN_SHARED_TO_SPLIT_PACK for other in pack)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MIXED_LENGTH_PROMPTS, assert_same_work, engine_hf_greedy, make_char_tokenizer, make_tiny_model
+from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer, make_tiny_model
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
+from rksc_engine.runtime.admission import MIN_SHARED_TO_SPLIT_PACK
 
 PROMPTS = MIXED_LENGTH_PROMPTS
 
@@ -39,7 +40,7 @@ def test_prompts_prefilled_in_one_forward_decode_what_transformers_generate_deco
         assert tokens[0] == hf_greedy(engine, prompt, 16), prompt
 
 
-def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_count_the_same_work():
+def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_account_for_every_prompt_token():
     sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=20, seed=5)
     jobs = [(p, 1 + i % 3, sampled if i % 2 else SamplingParams(max_new_tokens=20)) for i, p in enumerate(PROMPTS)]
     results, stats = [], []
@@ -49,7 +50,13 @@ def test_packed_and_one_by_one_prefill_give_the_same_tokens_and_count_the_same_w
         stats.append(engine.stats())
     assert results[0] == results[1]
     assert packed_prefills(engine) == 0, "packed_prefill=False still packed"
-    assert_same_work(stats[0], stats[1])
+    packed, each = stats
+    assert packed.prefills == each.prefills
+    total = packed.prompt_tokens_computed + packed.prompt_tokens_reused
+    assert total == each.prompt_tokens_computed + each.prompt_tokens_reused
+    # One by one, "Another one" reuses the "A" that "A much longer..." cached; in the pack, a
+    # shared opening that short is computed again rather than split off.
+    assert packed.prompt_tokens_computed == each.prompt_tokens_computed + 1
 
 
 def test_a_packed_prompt_reuses_its_cached_prefix_and_is_cached_for_the_next_call():
@@ -79,6 +86,19 @@ def test_prompts_sharing_an_uncached_prefix_are_not_packed_together_and_the_late
     stats = engine.stats()
     assert packed_prefills(engine) == 0
     assert stats.prompt_tokens_reused >= len(engine.encode(shared)) - 1, "the second prompt recomputed the opening"
+    for prompt, tokens in zip(prompts, got):
+        assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
+
+
+def test_prompts_sharing_only_a_short_uncached_opening_are_packed_together():
+    engine = engine_for(0)
+    opening = "Request "  # fewer tokens than a forward of its own is worth
+    assert len(engine.encode(opening)) < MIN_SHARED_TO_SPLIT_PACK
+    prompts = [opening + f"{i}: " + "tell me about the mill. " * (1 + i) for i in range(4)]
+    got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
+    stats = engine.stats()
+    assert packed_prefills(engine) == 1 and stats.prefills == len(prompts)
+    assert stats.prompt_tokens_reused == 0, "a prompt was split off the pack to cache a short opening"
     for prompt, tokens in zip(prompts, got):
         assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
 
