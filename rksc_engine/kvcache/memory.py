@@ -19,6 +19,7 @@ Promises:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,8 +29,6 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential,
-    wait_none,
 )
 
 from .cache_layers import has_recurrent_state
@@ -150,20 +149,43 @@ def run_with_oom_retry(
                 raise unrecoverable from error
             raise
 
-    wait = wait_exponential(multiplier=backoff_s, min=backoff_s, max=max(backoff_s, 2.0)) if backoff_s else wait_none()
+    # The first try runs outside tenacity: a step's forward almost never runs out of memory, and
+    # setting up the retry machinery costs more than a small model's decode step can spare.
+    try:
+        return attempt()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        first = error
+    if max_attempts == 1:
+        raise _out_of_memory(max_attempts, first) from first
+    # Tries 2 and on, numbered as the whole sequence numbers them: ``on_oom`` hears of each failed
+    # try before the wait that follows it.
+    on_oom(first, 1)
+    time.sleep(_backoff(backoff_s, 1))
     retrying = Retrying(
-        stop=stop_after_attempt(max_attempts),
-        wait=wait,
+        stop=stop_after_attempt(max_attempts - 1),
+        wait=lambda state: _backoff(backoff_s, state.attempt_number + 1),
         retry=retry_if_exception(is_out_of_memory),
-        before_sleep=lambda state: on_oom(state.outcome.exception(), state.attempt_number),
+        before_sleep=lambda state: on_oom(state.outcome.exception(), state.attempt_number + 1),
         reraise=False,
     )
     try:
         return retrying(attempt)
     except RetryError as error:
         last = error.last_attempt.exception()
-        raise ForwardOutOfMemoryError(
-            f"forward pass ran out of memory on all {max_attempts} tries, with the prefix cache evicted and "
-            f"its budget shrunk between tries; lower the batch (n), the prompt length or "
-            f"rsbcm.cache_budget_mb. Last error: {type(last).__name__}: {last}"
-        ) from last
+        raise _out_of_memory(max_attempts, last) from last
+
+
+def _backoff(backoff_s: float, failed_try: int) -> float:
+    """The wait after try ``failed_try`` failed: ``backoff_s``, doubling each try, at most 2 s (or
+    ``backoff_s`` when that is longer)."""
+    return min(backoff_s * 2 ** (failed_try - 1), max(backoff_s, 2.0))
+
+
+def _out_of_memory(max_attempts: int, last: BaseException) -> ForwardOutOfMemoryError:
+    return ForwardOutOfMemoryError(
+        f"forward pass ran out of memory on all {max_attempts} tries, with the prefix cache evicted and "
+        f"its budget shrunk between tries; lower the batch (n), the prompt length or "
+        f"rsbcm.cache_budget_mb. Last error: {type(last).__name__}: {last}"
+    )

@@ -169,6 +169,32 @@ def test_the_retry_path_retries_a_cpu_allocation_failure_and_nothing_else():
     assert len(calls) == 1, "a bug must not be retried as if memory had run out"
 
 
+@pytest.mark.parametrize("failures, max_attempts", [(3, 4), (4, 4), (1, 1)])
+def test_each_failed_try_is_told_by_number_and_followed_by_a_doubling_wait(monkeypatch, failures, max_attempts):
+    sleeps, told, calls = [], [], []
+    monkeypatch.setattr("time.sleep", sleeps.append)
+
+    def forward():
+        calls.append(1)
+        if len(calls) <= failures:
+            raise torch.OutOfMemoryError("out of memory")
+        return "done"
+
+    def run():
+        return run_with_oom_retry(forward, None, on_oom=lambda error, number: told.append(number),
+                                  max_attempts=max_attempts, backoff_s=0.5)
+
+    if failures < max_attempts:
+        assert run() == "done"
+    else:
+        with pytest.raises(ForwardOutOfMemoryError, match=f"all {max_attempts} tries"):
+            run()
+    assert len(calls) == min(failures + 1, max_attempts)
+    waited = min(failures, max_attempts - 1)  # no wait, and no word, after the last try
+    assert told == list(range(1, waited + 1))
+    assert sleeps == [0.5, 1.0, 2.0][:waited]
+
+
 # -- end to end -------------------------------------------------------------------------------------
 class FailOnce:
     """Raises ``error`` once from decoder layer 1's forward (mid-pass)."""
