@@ -10,7 +10,10 @@ For each family:
 * **tok/s**: 8 concurrent greedy requests (``--max-new-tokens`` each) on rksc against the same
   model's ``transformers`` ``generate_batch`` (continuous batching) and ``generate`` on the 8
   prompts left-padded into one batch, arms alternating, median of ``--repeats``; tokens counted as
-  each side generated them (up to EOS).
+  each side generated them (up to EOS). The 8 requests are submitted together and this thread
+  runs rksc's steps (inside ``exclusive()``), as it runs ``transformers``' arms: with
+  ``--engine-thread`` the engine's own thread runs them, and the two threads' OpenMP teams and
+  allocators meet on this machine's 2 cores.
 
     flock /tmp/rksc-bench.lock ./dev python benchmarks/families.py
 """
@@ -47,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated, of rksc (the default layout), static (decode_attention='static_rows'), "
                              "compiled (decode_capture='compile'; each family compiles once, slow), generate_batch, "
                              "generate (default rksc,static,generate_batch,generate)")
+    parser.add_argument("--engine-thread", action="store_true",
+                        help="run rksc's steps on the engine's own thread, as a server's requests run, instead of "
+                             "on the benchmark's thread, where transformers' arms run too (see docs/bench/families.md)")
     args = parser.parse_args(argv)
     args.arms = args.arms.split(",")
     unknown = set(args.arms) - set(ENGINE_ARMS) - {"generate_batch", "generate"}
@@ -84,8 +90,12 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
     def rksc_arm(on: RKSCEngine):
         def run() -> int:
             on.clear_cache()
-            handles = [on.submit(list(p), 1, greedy) for p in prompts]
-            return sum(len(h.result()[0].token_ids) for h in handles)
+            if args.engine_thread:
+                handles = [on.submit(list(p), 1, greedy) for p in prompts]
+                return sum(len(h.result()[0].token_ids) for h in handles)
+            with on.exclusive():  # all 8 submitted before the first step; this thread runs the steps
+                handles = [on.submit(list(p), 1, greedy) for p in prompts]
+                return sum(len(h.result()[0].token_ids) for h in handles)
         return run
 
     run_rksc = rksc_arm(engine)
