@@ -131,7 +131,7 @@ class Admission:
             if packing and request.context_spans is None:
                 cached = self.prefiller.cached_prefix_length(request.prompt_ids)
                 pack = requests.of(PACKED)
-                if pack and shares_uncached_prefix(request.prompt_ids, cached, pack):
+                if pack and worth_splitting_pack(request.prompt_ids, cached, pack, requests.of(WAITING)):
                     self.prefill_pack(pack)
                     cached = self.prefiller.cached_prefix_length(request.prompt_ids)  # the pack is cached now
                 new_tokens = len(request.prompt_ids) - cached
@@ -237,16 +237,28 @@ class Admission:
         return result
 
 
-# Fewer shared tokens than this are computed again in the pack rather than cached by a forward of
-# their own: a forward's fixed cost outweighs a few tokens (SGLang's in-batch prefix check uses the
-# same order of threshold).
-MIN_SHARED_TO_SPLIT_PACK = 32
+# A forward of its own for part of a pack pays for itself only when it saves about this many prompt
+# tokens: a forward's fixed cost outweighs computing a few shared tokens again (a chat template's
+# opening shared by two requests, say), not the same opening shared by a queue of them.
+MIN_SAVED_TOKENS_TO_SPLIT_PACK = 64
 
 
-def shares_uncached_prefix(prompt_ids: list[int], cached: int, pack: Sequence[Request]) -> bool:
-    """Whether ``prompt_ids`` begins with at least ``MIN_SHARED_TO_SPLIT_PACK`` tokens of a packed
-    prompt beyond the ``cached`` tokens the radix cache holds of it: prefilled in the same pack, it
-    would compute that shared part again instead of reusing it. (The cache never serves a prompt's
-    last token, so neither would the pack.)"""
-    return any(common_prefix_length(prompt_ids, other.prompt_ids, limit=len(prompt_ids) - 1) - cached
-               >= MIN_SHARED_TO_SPLIT_PACK for other in pack)
+def worth_splitting_pack(prompt_ids: list[int], cached: int, pack: Sequence[Request],
+                         waiting: Sequence[Request]) -> bool:
+    """Whether to prefill ``pack`` before admitting ``prompt_ids``, so that it reuses what it shares
+    with a packed prompt beyond the ``cached`` tokens the radix cache holds of it: worth it when
+    that shared part, counted once for this prompt and once for each ``waiting`` prompt that begins
+    with it too, comes to ``MIN_SAVED_TOKENS_TO_SPLIT_PACK`` tokens. (The cache never serves a
+    prompt's last token, so neither would the pack.)"""
+    limit = len(prompt_ids) - 1
+    reach = max((common_prefix_length(prompt_ids, other.prompt_ids, limit=limit) for other in pack), default=0)
+    shared = reach - cached
+    if shared <= 0:
+        return False
+    saved = shared
+    for other in waiting[:MIN_SAVED_TOKENS_TO_SPLIT_PACK]:  # each sharer adds a token or more: enough to look at
+        if saved >= MIN_SAVED_TOKENS_TO_SPLIT_PACK:
+            break
+        if common_prefix_length(prompt_ids, other.prompt_ids, limit=reach) == reach:
+            saved += shared
+    return saved >= MIN_SAVED_TOKENS_TO_SPLIT_PACK

@@ -7,7 +7,7 @@ from conftest import MIXED_LENGTH_PROMPTS, engine_hf_greedy, make_char_tokenizer
 
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams
 from rksc_engine.config import SchedulerConfig
-from rksc_engine.runtime.admission import MIN_SHARED_TO_SPLIT_PACK
+from rksc_engine.runtime.admission import MIN_SAVED_TOKENS_TO_SPLIT_PACK
 
 PROMPTS = MIXED_LENGTH_PROMPTS
 
@@ -78,23 +78,27 @@ def test_a_packed_prompt_reuses_its_cached_prefix_and_is_cached_for_the_next_cal
     assert engine.stats().prompt_tokens_computed - computed == 1
 
 
-def test_prompts_sharing_an_uncached_prefix_are_not_packed_together_and_the_later_one_reuses_it():
+def test_prompts_sharing_an_uncached_opening_with_a_queue_are_split_so_the_later_ones_reuse_it():
     engine = engine_for(0)
-    shared = "Exactly the same long opening for both of these prompts. "
-    prompts = [shared + "one", shared + "two"]
+    shared = "Exactly the same long opening for all of these prompts. "
+    prompts = [shared + "one", shared + "two", shared + "three"]
+    assert 2 * (len(engine.encode(shared)) - 1) >= MIN_SAVED_TOKENS_TO_SPLIT_PACK
     got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
     stats = engine.stats()
-    assert packed_prefills(engine) == 0
-    assert stats.prompt_tokens_reused >= len(engine.encode(shared)) - 1, "the second prompt recomputed the opening"
+    assert packed_prefills(engine) == 1, "the first prompt alone, then the two that reuse its opening"
+    assert stats.prompt_tokens_reused >= 2 * (len(engine.encode(shared)) - 1), "a later prompt recomputed the opening"
     for prompt, tokens in zip(prompts, got):
         assert tokens[0] == hf_greedy(engine, prompt, 8), prompt
 
 
-def test_prompts_sharing_only_a_short_uncached_opening_are_packed_together():
+@pytest.mark.parametrize("opening, count", [
+    ("Request ", 4),  # a few tokens, shared by a few prompts
+    ("Exactly the same long opening for both of these prompts. ", 2),  # more tokens, shared by one more prompt
+])
+def test_prompts_sharing_little_uncached_work_are_packed_together(opening, count):
     engine = engine_for(0)
-    opening = "Request "  # fewer tokens than a forward of its own is worth
-    assert len(engine.encode(opening)) < MIN_SHARED_TO_SPLIT_PACK
-    prompts = [opening + f"{i}: " + "tell me about the mill. " * (1 + i) for i in range(4)]
+    assert (count - 1) * len(engine.encode(opening)) < MIN_SAVED_TOKENS_TO_SPLIT_PACK
+    prompts = [opening + f"{i}: " + "tell me about the mill. " * (1 + i) for i in range(count)]
     got = run_together(engine, [(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts])
     stats = engine.stats()
     assert packed_prefills(engine) == 1 and stats.prefills == len(prompts)
