@@ -131,7 +131,8 @@ class Admission:
             if packing and request.context_spans is None:
                 cached = self.prefiller.cached_prefix_length(request.prompt_ids)
                 pack = requests.of(PACKED)
-                if pack and worth_splitting_pack(request.prompt_ids, cached, pack, requests.of(WAITING)):
+                if pack and worth_splitting_pack(request.prompt_ids, cached, pack,
+                                                 requests.of(WAITING, MIN_SAVED_TOKENS_TO_SPLIT_PACK)):
                     self.prefill_pack(pack)
                     cached = self.prefiller.cached_prefix_length(request.prompt_ids)  # the pack is cached now
                 new_tokens = len(request.prompt_ids) - cached
@@ -248,7 +249,8 @@ def worth_splitting_pack(prompt_ids: list[int], cached: int, pack: Sequence[Requ
     """Whether to prefill ``pack`` before admitting ``prompt_ids``, so that it reuses what it shares
     with a packed prompt beyond the ``cached`` tokens the radix cache holds of it: worth it when
     that shared part, counted once for this prompt and once for each ``waiting`` prompt that begins
-    with it too, comes to ``MIN_SAVED_TOKENS_TO_SPLIT_PACK`` tokens. (The cache never serves a
+    with it too, comes to ``MIN_SAVED_TOKENS_TO_SPLIT_PACK`` tokens (each sharer adds a token or
+    more, so the head of the queue that long is enough to look at). (The cache never serves a
     prompt's last token, so neither would the pack.)"""
     limit = len(prompt_ids) - 1
     reach = max((common_prefix_length(prompt_ids, other.prompt_ids, limit=limit) for other in pack), default=0)
@@ -256,7 +258,7 @@ def worth_splitting_pack(prompt_ids: list[int], cached: int, pack: Sequence[Requ
     if shared <= 0:
         return False
     saved = shared
-    for other in waiting[:MIN_SAVED_TOKENS_TO_SPLIT_PACK]:  # each sharer adds a token or more: enough to look at
+    for other in waiting:
         if saved >= MIN_SAVED_TOKENS_TO_SPLIT_PACK:
             break
         if common_prefix_length(prompt_ids, other.prompt_ids, limit=reach) == reach:

@@ -23,7 +23,7 @@ step, and forgets the rest. Callers hold the engine lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +33,10 @@ from ..kvcache.batch_decode import BatchDecodeCache
 from ..kvcache.shared_prefix import ATTENTION_NAME, attention_implementation
 from ..kvcache.static_rows import StaticRowPool
 from .batch_forward import in_row_order
-from .drafts import Draft, DraftIndex
+from .drafts import CachedTokens, Draft, DraftIndex
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import choose_next_tokens
-
-
-# What the radix cache holds after a context (``RadixPrefixCache.continuation``).
-CachedTokens = Callable[[Sequence[int], int], "list[int] | None"]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+# What the radix cache holds after a context (``RadixPrefixCache.continuation``): ``(context,
+# limit) -> tokens``, None once the context is not all in it.
+CachedTokens = Callable[[Sequence[int], int], "list[int] | None"]
+
 # Lengths of the n-grams matched, longest first: a longer match predicts its continuation better, a
 # shorter one matches more often.
 MAX_NGRAM = 4
@@ -88,8 +92,7 @@ class DraftIndex:
             without a cache.
     """
 
-    def __init__(self, prompt_ids: Sequence[int],
-                 cached: Callable[[Sequence[int], int], list[int] | None] | None = None) -> None:
+    def __init__(self, prompt_ids: Sequence[int], cached: CachedTokens | None = None) -> None:
         self.prompt_ids = list(prompt_ids)
         self.prompt = NgramIndex(prompt_ids)
         self.generated: dict[int, NgramIndex] = {}  # branch index -> its generated tokens' index

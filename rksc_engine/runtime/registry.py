@@ -83,10 +83,11 @@ class RequestRegistry:
             else:
                 self._lists[status].append(request)
 
-    def of(self, status: RequestStatus) -> list[Request]:
-        """The requests of ``status``, in order (a copy: moving them while iterating is fine)."""
+    def of(self, status: RequestStatus, limit: int | None = None) -> list[Request]:
+        """The requests of ``status``, in order, the first ``limit`` of them when given (a copy:
+        moving them while iterating is fine)."""
         with self._lock:
-            return list(self._lists[status])
+            return self._lists[status][:limit]
 
     def first(self, status: RequestStatus) -> Request | None:
         """The first request of ``status``, or None."""
