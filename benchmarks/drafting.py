@@ -32,9 +32,9 @@ from rksc_bench import harness
 from rksc_bench.families import char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
 from rksc_engine.config import DRAFT_SOURCES
+from rksc_engine.evaluation.workloads import LADDER_LEVELS, ladder_problems, ladder_shots, synthetic_problems
 from rksc_engine.kvcache.cache_layers import new_kv_cache
 from rksc_engine.kvcache.static_rows import StaticRowPool
-from rksc_engine.evaluation.workloads import LADDER_LEVELS, ladder_problems, ladder_shots, synthetic_problems
 from rksc_engine.reasoning.few_shot import few_shot_messages
 
 QUESTION = "A farmer has 17 sheep and buys 3 times as many goats as sheep. How many animals does he have?"
@@ -134,15 +134,16 @@ def measure(label: str, engine: RKSCEngine, job: Callable[[RKSCEngine], list[tup
     timings = harness.side_by_side({arm: (lambda arm=arm: run(arm)) for arm in configs}, args.repeats,
                                    before=None if before is None else (lambda arm: before()))
 
-    def layout_off(arm: str) -> str:  # the arm without drafts of ``arm``'s layout
-        return "off " + arm.split(" ", 1)[1] if " " in arm else "off"
-
+    # Each arm's arm without drafts: the one of its decode layout.
+    layout_off = {arm: next(other for other, plain in configs.items() if plain.scheduler.draft_tokens == 0
+                            and plain.decode_attention == config.decode_attention)
+                  for arm, config in configs.items()}
     cells = []
     for arm, timing in timings.items():
         delta = deltas[arm][-1]
         seconds = min(timing.runs_s)
         drafted = delta["drafted_tokens"]
-        want = timings[layout_off(arm)].results[0]
+        want = timings[layout_off[arm]].results[0]
         cell = {"workload": label, "arm": arm, "identical": all(result == want for result in timing.results),
                 "runs_s": [round(s, 4) for s in timing.runs_s], "decode_tokens_per_s": delta["decode_tokens"] / seconds,
                 "acceptance": delta["accepted_draft_tokens"] / drafted if drafted else None, **delta}
@@ -150,7 +151,7 @@ def measure(label: str, engine: RKSCEngine, job: Callable[[RKSCEngine], list[tup
     by_arm = {cell["arm"]: cell for cell in cells}
     for cell in cells:
         cell["speedup"] = cell["decode_tokens_per_s"] / by_arm["off"]["decode_tokens_per_s"]
-        cell["speedup_in_layout"] = cell["decode_tokens_per_s"] / by_arm[layout_off(cell["arm"])]["decode_tokens_per_s"]
+        cell["speedup_in_layout"] = cell["decode_tokens_per_s"] / by_arm[layout_off[cell["arm"]]]["decode_tokens_per_s"]
         print(format_cell(cell), flush=True)
     return {"workload": label, "cells": cells}
 
@@ -214,14 +215,16 @@ def verify_curve(engine: RKSCEngine, messages: Any, args: argparse.Namespace) ->
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=kept, use_cache=True)
     kv = [(layer.keys, layer.values) for layer in kept.layers]
-    cells = []
+    cells, last = [], engine.context_window - 1
+
+    def verify_forward(pool: StaticRowPool, rows: int, width: int) -> Callable[[], Any]:
+        return lambda: step.drafted_logits(pool, torch.full((rows, width), 7, device=model.device), last)
+
     for rows in (1, 2, 4, 8):
         pool = StaticRowPool(prompt.device, next(model.parameters()).dtype)
         pool.reserve(rows, prompt.shape[1] + 16, [(k.shape[1], k.shape[3]) for k, _ in kv])
         pool.write_prompt(pool.rows(rows).slots, kv)
-        last = engine.context_window - 1
-        arms = {width: (lambda width=width: step.drafted_logits(pool, torch.full((rows, width), 7, device=model.device), last))
-                for width in (1, 3, 5, 9)}
+        arms = {width: verify_forward(pool, rows, width) for width in (1, 3, 5, 9)}
         timings = harness.side_by_side(arms, max(args.repeats, 5))
         one = statistics.median(timings[1].runs_s)
         for width, timing in timings.items():

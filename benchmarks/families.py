@@ -21,6 +21,7 @@ For each family:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
 
@@ -90,10 +91,8 @@ def measure(name: str, tokenizer, args: argparse.Namespace) -> dict:
     def rksc_arm(on: RKSCEngine):
         def run() -> int:
             on.clear_cache()
-            if args.engine_thread:
-                handles = [on.submit(list(p), 1, greedy) for p in prompts]
-                return sum(len(h.result()[0].token_ids) for h in handles)
-            with on.exclusive():  # all 8 submitted before the first step; this thread runs the steps
+            # Held, all 8 are submitted before the first step, and this thread runs the steps.
+            with contextlib.nullcontext() if args.engine_thread else on.exclusive():
                 handles = [on.submit(list(p), 1, greedy) for p in prompts]
                 return sum(len(h.result()[0].token_ids) for h in handles)
         return run
