@@ -11,9 +11,9 @@ from conftest import make_char_tokenizer, make_tiny_model
 
 from rksc_bench.families import FAMILIES, char_tokenizer, make_family_model
 from rksc_engine import EngineConfig, RKSCEngine, SamplingParams, SchedulerConfig
-from rksc_engine.runtime.handle import BranchControl
 from rksc_engine.runtime.drafted_step import StepInputs, verify
 from rksc_engine.runtime.drafts import Draft, DraftIndex, NgramIndex
+from rksc_engine.runtime.handle import BranchControl
 from rksc_engine.runtime.sampling import choose_next_tokens
 
 # Repetitive text, so drafts from the prompt and from the branches' own loops are accepted often.
